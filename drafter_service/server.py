@@ -1,0 +1,122 @@
+"""The drafter's gRPC server: sessions, each a token sequence (and KV cache) that a
+proposer extends with draft tokens."""
+
+import argparse
+import asyncio
+import logging
+
+from specdec import flags, modeling, sampling, server
+from specdec.common.v1 import common_pb2
+from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from specdec.errors import InvalidArgument, ServiceError, Unavailable, abort
+from specdec.sessions import SessionStore
+from specdec.validation import check_length, check_token_ids
+from drafter_service.proposers import ModelProposer, NgramProposer, Proposer
+
+log = logging.getLogger("drafter")
+
+MAX_DRAFT_TOKENS = 64
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+    """Registered before the model loads (health answers NOT_SERVING meanwhile);
+    calls made before `ready` get UNAVAILABLE."""
+
+    def __init__(self, worker: server.ModelWorker):
+        self.worker = worker
+        self.proposer: Proposer | None = None
+        self.store: SessionStore | None = None
+
+    def ready(self, proposer: Proposer, store: SessionStore) -> None:
+        self.proposer, self.store, self.info = proposer, store, proposer.info()
+
+    async def Propose(self, request: drafter_pb2.ProposeRequest, context):
+        try:
+            if self.proposer is None:
+                raise Unavailable("the draft model is still loading")
+            k = request.num_draft_tokens
+            if not 1 <= k <= MAX_DRAFT_TOKENS:
+                raise InvalidArgument("num_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
+            sampling.validate(request.sampling)
+            check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
+            if request.start == 0 and not request.new_tokens:
+                raise InvalidArgument("new_tokens", "must not be empty when start is 0")
+            check_length("new_tokens", request.start + len(request.new_tokens), self.info)
+            session = self.store.get(request.session_id, request.start)
+            async with session.lock:
+                seq = session.state
+                seq.sync(request.start, list(request.new_tokens))
+                k = min(k, self.info.max_positions - len(seq.tokens))
+                drafts = self.proposer.propose(seq, k, request.sampling)
+                while (draft := await self.worker.run(next, drafts, None)) is not None:
+                    token, q = draft
+                    yield drafter_pb2.ProposeResponse(token_id=token, q=q)
+        except ServiceError as err:
+            await abort(context, err)
+
+    async def CloseSession(self, request, context):
+        closed = self.store is not None and self.store.close(request.session_id)
+        return drafter_pb2.CloseSessionResponse(closed=closed)
+
+    async def GetModelInfo(self, request, context):
+        if self.proposer is None:
+            await abort(context, Unavailable("the draft model is still loading"))
+        return drafter_pb2.GetModelInfoResponse(info=self.info)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec-drafter", description=__doc__)
+    flags.add_server_flags(parser, "SPECDEC_DRAFTER", default_port=50052)
+    flags.add(parser, "--proposer", env="SPECDEC_DRAFTER_PROPOSER", default="ngram", choices=["model", "ngram"],
+              help="model: a small causal LM (--model); ngram: prompt lookup, no model")
+    flags.add(parser, "--model", env="SPECDEC_DRAFTER_MODEL", default=None,
+              help="draft model: a directory, a hub id or a .gguf file (with --proposer model)")
+    flags.add(parser, "--dtype", env="SPECDEC_DRAFTER_DTYPE", default="float32", choices=sorted(modeling.DTYPES),
+              help="weights dtype")
+    flags.add(parser, "--device", env="SPECDEC_DRAFTER_DEVICE", default="cpu", help="torch device")
+    flags.add(parser, "--max-draft-support", env="SPECDEC_DRAFTER_MAX_DRAFT_SUPPORT", type=int, default=64,
+              help="when sampling, draft from the top N tokens of q and send them")
+    flags.add(parser, "--ngram-max", env="SPECDEC_DRAFTER_NGRAM_MAX", type=int, default=4,
+              help="longest n-gram the prompt-lookup proposer matches")
+    flags.add(parser, "--ngram-min", env="SPECDEC_DRAFTER_NGRAM_MIN", type=int, default=1,
+              help="shortest n-gram the prompt-lookup proposer matches")
+    flags.add(parser, "--max-sessions", env="SPECDEC_DRAFTER_MAX_SESSIONS", type=int, default=256,
+              help="open sessions before RESOURCE_EXHAUSTED")
+    flags.add(parser, "--session-idle-timeout", env="SPECDEC_DRAFTER_SESSION_IDLE_TIMEOUT", type=float,
+              default=300.0, help="seconds before an idle session is released")
+    return parser
+
+
+def make_proposer(args) -> Proposer:
+    if args.proposer == "ngram":
+        return NgramProposer(args.ngram_max, args.ngram_min)
+    if not args.model:
+        raise SystemExit("--proposer model needs --model")
+    model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
+    return ModelProposer(model, tokenizer, args.model, args.max_draft_support)
+
+
+async def serve(args) -> None:
+    servicer = DrafterServicer(server.ModelWorker())
+
+    async def load():
+        proposer = await asyncio.to_thread(make_proposer, args)
+        # Warm up: a few drafts on a throwaway sequence, so the first request is not slow.
+        seq = proposer.new_sequence()
+        seq.sync(0, [0, 1, 0, 1])
+        await servicer.worker.run(list, proposer.propose(seq, 2, common_pb2.SamplingParams(top_p=1.0)))
+        servicer.ready(proposer, SessionStore(proposer.new_sequence, args.max_sessions, args.session_idle_timeout))
+
+    await server.serve(
+        name="drafter", host=args.host, port=args.port,
+        service_names=[drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name],
+        register=lambda s: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, s),
+        load=load,
+        background=[lambda: servicer.store.reap_forever()],
+    )
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    flags.setup_logging(args.log_level, "drafter")
+    asyncio.run(serve(args))

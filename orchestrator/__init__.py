@@ -1,0 +1,1 @@
+"""The orchestrator: the public Generate endpoint and the speculative rounds."""

@@ -1,0 +1,106 @@
+"""Drafter replicas: one explicit channel per replica address, so that a session's
+calls all reach the process holding its cache (gRPC's per-call load balancing would
+scatter them). The pool pairs each request with the least-loaded healthy replica."""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("orchestrator.pool")
+
+# Reconnect quickly to a replica that restarts on the same address.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class IncompatiblePair(Exception):
+    """A drafter whose vocabulary differs from the target's."""
+
+
+def check_vocab(address: str, info, target_fingerprint: str, target_name: str) -> None:
+    if info.vocab_fingerprint and info.vocab_fingerprint != target_fingerprint:
+        raise IncompatiblePair(
+            f"drafter {address} serves {info.model_name!r}, whose vocabulary differs from the target "
+            f"{target_name!r}: a draft model must share the target's tokenizer")
+
+
+async def wait_for_info(stub, request, wait_s: float):
+    """The service's ModelInfo once it has loaded its model (UNAVAILABLE until then)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return (await stub.GetModelInfo(request, timeout=max(1.0, min(10.0, wait_s)))).info
+        except grpc.aio.AioRpcError as err:
+            retryable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if not retryable or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+@dataclass(eq=False)
+class Replica:
+    address: str
+    channel: grpc.aio.Channel
+    stub: drafter_pb2_grpc.DrafterServiceStub
+    sessions: int = 0
+    down_until: float = 0.0
+    checked: bool = False
+
+    def healthy(self, now: float) -> bool:
+        return self.down_until <= now
+
+
+class DrafterPool:
+    def __init__(self, addresses: list[str], target_fingerprint: str, target_name: str, retry_s: float = 2.0):
+        self.target_fingerprint, self.target_name = target_fingerprint, target_name
+        self.retry_s = retry_s
+        self.replicas: dict[str, Replica] = {}
+        for address in addresses:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.replicas[address] = Replica(address, channel, drafter_pb2_grpc.DrafterServiceStub(channel))
+
+    async def check(self, replica: Replica, wait_s: float = 0.0) -> None:
+        """Checks the replica's vocabulary against the target's (IncompatiblePair)."""
+        info = await wait_for_info(replica.stub, drafter_pb2.GetModelInfoRequest(), wait_s)
+        check_vocab(replica.address, info, self.target_fingerprint, self.target_name)
+        replica.checked = True
+
+    async def acquire(self) -> Replica | None:
+        """The least-loaded healthy replica, or None: the request goes on without one."""
+        now = time.monotonic()
+        for replica in sorted(self.replicas.values(), key=lambda r: r.sessions):
+            if not replica.healthy(now):
+                continue
+            if not replica.checked:
+                try:
+                    await self.check(replica)
+                except IncompatiblePair as err:
+                    log.error("%s; not using it", err)
+                    replica.down_until = float("inf")
+                    continue
+                except grpc.aio.AioRpcError as err:
+                    self.mark_down(replica, err)
+                    continue
+            replica.sessions += 1
+            return replica
+        return None
+
+    def release(self, replica: Replica) -> None:
+        replica.sessions -= 1
+
+    def mark_down(self, replica: Replica, err: grpc.aio.AioRpcError) -> None:
+        log.warning("drafter %s failed (%s: %s); retrying it in %.1f s", replica.address, err.code().name,
+                    err.details(), self.retry_s)
+        replica.down_until = time.monotonic() + self.retry_s
+
+    async def close(self) -> None:
+        for replica in self.replicas.values():
+            await replica.channel.close()

@@ -1,0 +1,273 @@
+"""The orchestrator's gRPC server: validates a request, pairs it with a drafter replica
+and the verifier, runs the speculative rounds and streams the committed output."""
+
+import argparse
+import asyncio
+import logging
+import math
+import random
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from specdec import flags, modeling, server
+from specdec.common.v1 import common_pb2
+from specdec.errors import InvalidArgument, Overloaded, ServiceError, Unavailable, abort
+from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair, wait_for_info
+from orchestrator.speculation import DrafterLink, Stats, VerifierLink, speculate
+from orchestrator.text import TextStream
+
+log = logging.getLogger("orchestrator")
+
+MAX_STOP_STRINGS = 16
+MAX_REQUEST_ID = 128
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Limits:
+    default_max_new_tokens: int
+    max_new_tokens: int
+    default_k: int
+    max_k: int
+    max_concurrent_requests: int
+    drafter_timeout_s: float
+    verifier_timeout_s: float
+
+
+@dataclass
+class Request:
+    """A validated GenerateRequest."""
+    id: str
+    prompt: list[int]
+    max_new_tokens: int
+    k: int
+    params: common_pb2.SamplingParams
+    stop: list[str]
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.tokenizer = None
+        self.in_flight: set[str] = set()
+        self.closing: set[asyncio.Task] = set()
+
+    def ready(self, tokenizer, verifier_stub, verifier_info: common_pb2.ModelInfo, pool: DrafterPool) -> None:
+        self.tokenizer, self.verifier, self.info, self.pool = tokenizer, verifier_stub, verifier_info, pool
+        self.eos = set(verifier_info.eos_token_ids)
+
+    # -- input -------------------------------------------------------------------------
+
+    def parse(self, r: pb.GenerateRequest) -> Request:
+        limits = self.limits
+        if len(r.request_id) > MAX_REQUEST_ID:
+            raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID} characters")
+        prompt = self.prompt_ids(r)
+        max_new = r.max_new_tokens if r.HasField("max_new_tokens") else limits.default_max_new_tokens
+        if not 1 <= max_new <= limits.max_new_tokens:
+            raise InvalidArgument("max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
+        if len(prompt) + max_new > self.info.max_positions:
+            raise InvalidArgument("max_new_tokens", f"the prompt ({len(prompt)} tokens) plus {max_new} new tokens "
+                                                    f"exceeds the model's {self.info.max_positions} positions")
+        temperature = r.temperature if r.HasField("temperature") else 0.0
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InvalidArgument("temperature", f"must be a finite number >= 0, got {temperature}")
+        top_p = r.top_p if r.HasField("top_p") else 1.0
+        if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
+        if r.top_k < 0:
+            raise InvalidArgument("top_k", f"must be >= 0, got {r.top_k}")
+        k = r.num_speculative_tokens if r.HasField("num_speculative_tokens") else limits.default_k
+        if not 0 <= k <= limits.max_k:
+            raise InvalidArgument("num_speculative_tokens", f"must be in [0, {limits.max_k}], got {k}")
+        if len(r.stop) > MAX_STOP_STRINGS or any(not s for s in r.stop):
+            raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
+        seed = r.seed if r.HasField("seed") else random.getrandbits(63)
+        params = common_pb2.SamplingParams(temperature=temperature, top_k=r.top_k, top_p=top_p, seed=seed)
+        return Request(r.request_id or uuid.uuid4().hex, prompt, max_new, k, params, list(r.stop))
+
+    def prompt_ids(self, r: pb.GenerateRequest) -> list[int]:
+        which = r.WhichOneof("prompt")
+        if which is None:
+            raise InvalidArgument("prompt", "one of text, chat or token_ids is required")
+        if which == "text":
+            if not r.text:
+                raise InvalidArgument("text", "must not be empty")
+            return self.tokenizer(r.text)["input_ids"]
+        if which == "chat":
+            if not r.chat.messages:
+                raise InvalidArgument("chat.messages", "must not be empty")
+            for i, m in enumerate(r.chat.messages):
+                if m.role not in CHAT_ROLES:
+                    raise InvalidArgument(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
+            if not self.tokenizer.chat_template:
+                raise InvalidArgument("chat", "the target model has no chat template; send text")
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in r.chat.messages],
+                add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        ids = list(r.token_ids.ids)
+        if not ids:
+            raise InvalidArgument("token_ids.ids", "must not be empty")
+        for i, token in enumerate(ids):
+            if not 0 <= token < self.info.vocab_size:
+                raise InvalidArgument(f"token_ids.ids[{i}]",
+                                      f"token id {token} is outside the vocabulary [0, {self.info.vocab_size})")
+        return ids
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        async for event in self.generate(request, context):
+            yield event
+
+    async def Complete(self, request: pb.GenerateRequest, context):
+        async for event in self.generate(request, context):
+            if event.HasField("result"):
+                return event.result
+
+    async def generate(self, request: pb.GenerateRequest, context):
+        try:
+            if self.tokenizer is None:
+                raise Unavailable("still starting: waiting for the verifier")
+            req = self.parse(request)
+            if len(self.in_flight) >= self.limits.max_concurrent_requests:
+                raise Overloaded(f"{len(self.in_flight)} requests in flight, the limit is "
+                                 f"{self.limits.max_concurrent_requests}")
+            if req.id in self.in_flight:
+                raise InvalidArgument("request_id", f"{req.id!r} is already in flight")
+        except ServiceError as err:
+            await abort(context, err)
+        log.info("[%s] start: %d prompt tokens, max_new_tokens=%d, K=%d, temperature=%g",
+                 req.id, len(req.prompt), req.max_new_tokens, req.k, req.params.temperature)
+        self.in_flight.add(req.id)
+        stats = Stats()
+        verifier = VerifierLink(self.verifier, req.id, req.params, stats, self.limits.verifier_timeout_s)
+        drafter = DrafterLink(self.pool, req.id, req.params, stats, self.limits.drafter_timeout_s)
+        text = TextStream(self.tokenizer, req.stop)
+        try:
+            async for new in speculate(req.prompt, req.max_new_tokens, req.k, self.eos, drafter, verifier, stats):
+                ids, delta = text.add(new)
+                yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=delta))
+                if text.stop_hit is not None:
+                    break
+            tail = text.finish()
+            if tail:
+                yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
+            yield pb.GenerateResponse(result=self.result(req, text, stats))
+            log.info("[%s] done: %d tokens in %d rounds, acceptance %.2f, %d resyncs, %d drafter failovers",
+                     req.id, len(text.ids), stats.rounds, _rate(stats), stats.resyncs, stats.drafter_failovers)
+        except grpc.aio.AioRpcError as err:
+            log.error("[%s] verifier failed: %s %s", req.id, err.code().name, err.details())
+            code = err.code() if err.code() == grpc.StatusCode.INVALID_ARGUMENT else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"verifier: {err.details()}")
+        finally:
+            self.in_flight.discard(req.id)
+            # Release both sessions even when the client cancelled this call.
+            task = asyncio.ensure_future(self.close_sessions(req.id, drafter, verifier))
+            self.closing.add(task)
+            task.add_done_callback(self.closing.discard)
+
+    async def close_sessions(self, request_id: str, drafter: DrafterLink, verifier: VerifierLink) -> None:
+        for link in (drafter, verifier):
+            try:
+                await link.close()
+            except grpc.aio.AioRpcError as err:
+                log.warning("[%s] closing a session failed: %s (the idle timeout will release it)",
+                            request_id, err.code().name)
+
+    def result(self, req: Request, text: TextStream, stats: Stats) -> pb.Result:
+        if text.stop_hit is not None or (text.ids and text.ids[-1] in self.eos):
+            finish = pb.FINISH_REASON_STOP
+        else:
+            finish = pb.FINISH_REASON_LENGTH
+        return pb.Result(
+            request_id=req.id, token_ids=text.ids, text=text.text, finish_reason=finish,
+            stop_sequence=text.stop_hit or "",
+            usage=pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(text.ids)),
+            stats=pb.SpeculationStats(
+                rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
+                acceptance_rate=_rate(stats), resyncs=stats.resyncs, drafter_failovers=stats.drafter_failovers,
+                accepted_per_position=stats.accepted_per_position),
+        )
+
+
+def _rate(stats: Stats) -> float:
+    return stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec-orchestrator", description=__doc__)
+    flags.add_server_flags(parser, "SPECDEC_ORCHESTRATOR", default_port=50051)
+    add = flags.add
+    add(parser, "--verifier", env="SPECDEC_VERIFIER_ADDRESS", default="127.0.0.1:50053", help="verifier host:port")
+    add(parser, "--drafters", env="SPECDEC_DRAFTER_ADDRESSES", default="127.0.0.1:50052",
+        help="comma-separated drafter replica host:port list (empty: the target alone)")
+    add(parser, "--tokenizer", env="SPECDEC_ORCHESTRATOR_TOKENIZER", default=modeling.DEFAULT_TARGET,
+        help="the target's tokenizer (a model directory, hub id or .gguf file)")
+    add(parser, "--num-speculative-tokens", env="SPECDEC_NUM_SPECULATIVE_TOKENS", type=int, default=4,
+        help="default draft tokens per round (K)")
+    add(parser, "--max-speculative-tokens", env="SPECDEC_MAX_SPECULATIVE_TOKENS", type=int, default=16,
+        help="largest K a request may ask for")
+    add(parser, "--default-max-new-tokens", env="SPECDEC_DEFAULT_MAX_NEW_TOKENS", type=int, default=256,
+        help="max_new_tokens of a request that sets none")
+    add(parser, "--max-new-tokens-limit", env="SPECDEC_MAX_NEW_TOKENS_LIMIT", type=int, default=4096,
+        help="largest max_new_tokens a request may ask for")
+    add(parser, "--max-concurrent-requests", env="SPECDEC_MAX_CONCURRENT_REQUESTS", type=int, default=64,
+        help="requests in flight before RESOURCE_EXHAUSTED")
+    add(parser, "--drafter-timeout", env="SPECDEC_DRAFTER_TIMEOUT", type=float, default=10.0,
+        help="seconds one Propose call may take before the drafter counts as failed")
+    add(parser, "--verifier-timeout", env="SPECDEC_VERIFIER_TIMEOUT", type=float, default=60.0,
+        help="seconds one Verify call may take")
+    add(parser, "--startup-timeout", env="SPECDEC_STARTUP_TIMEOUT", type=float, default=600.0,
+        help="seconds to wait for the verifier and drafters to load")
+    return parser
+
+
+async def serve(args) -> None:
+    limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
+                    args.max_speculative_tokens, args.max_concurrent_requests, args.drafter_timeout,
+                    args.verifier_timeout)
+    servicer = OrchestratorServicer(limits)
+
+    async def load():
+        tokenizer = await asyncio.to_thread(modeling.load_tokenizer, args.tokenizer)
+        channel = grpc.aio.insecure_channel(args.verifier, options=CHANNEL_OPTIONS)
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        log.info("waiting for the verifier at %s", args.verifier)
+        info = await wait_for_info(stub, verifier_pb2.GetModelInfoRequest(), args.startup_timeout)
+        fingerprint = modeling.vocab_fingerprint(tokenizer)
+        if info.vocab_fingerprint != fingerprint:
+            raise IncompatiblePair(f"the tokenizer {args.tokenizer!r} does not match the verifier's model "
+                                   f"{info.model_name!r}: give the target's tokenizer with --tokenizer")
+        addresses = [a.strip() for a in args.drafters.split(",") if a.strip()]
+        pool = DrafterPool(addresses, info.vocab_fingerprint, info.model_name)
+        for replica in pool.replicas.values():
+            try:
+                await pool.check(replica, wait_s=args.startup_timeout)
+                log.info("drafter %s is compatible with the target %s", replica.address, info.model_name)
+            except grpc.aio.AioRpcError as err:
+                log.warning("drafter %s not reachable yet (%s); will retry", replica.address, err.code().name)
+        servicer.ready(tokenizer, stub, info, pool)
+        log.info("target %s (vocabulary %d), %d drafter replica(s)", info.model_name, info.vocab_size, len(addresses))
+
+    await server.serve(
+        name="orchestrator", host=args.host, port=args.port,
+        service_names=[pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name],
+        register=lambda s: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(servicer, s),
+        load=load,
+    )
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    flags.setup_logging(args.log_level, "orchestrator")
+    try:
+        asyncio.run(serve(args))
+    except IncompatiblePair as err:
+        log.error("refusing to start: %s", err)
+        raise SystemExit(2)

@@ -1,0 +1,172 @@
+"""The speculative round, and each request's sessions on the drafter and the verifier.
+
+The orchestrator owns the committed token history. Every call tells a service where
+its new tokens start (what the orchestrator knows it holds) and sends the rest; a
+service that lost the session answers FAILED_PRECONDITION and gets the whole history
+again (a resync: one prefill, never a wrong token)."""
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from specdec.common.v1 import common_pb2
+from specdec.drafter.v1 import drafter_pb2
+from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from orchestrator.pool import DrafterPool, Replica
+
+log = logging.getLogger("orchestrator")
+
+RESYNC = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    resyncs: int = 0
+    drafter_failovers: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+
+class VerifierLink:
+    """A request's session on the verifier. A restarted verifier costs a resync; one
+    that stays unreachable fails the request after `retries` tries."""
+
+    def __init__(self, stub: verifier_pb2_grpc.VerifierServiceStub, session_id: str,
+                 params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retries: int = 3):
+        self.stub, self.session_id, self.params, self.stats = stub, session_id, params, stats
+        self.timeout_s, self.retries = timeout_s, retries
+        self.synced = 0  # committed tokens the verifier is known to hold
+
+    async def verify(self, history: list[int], drafts: list[int],
+                     qs: list[common_pb2.SparseDistribution]) -> tuple[int, int]:
+        attempt = 0
+        while True:
+            request = verifier_pb2.VerifyRequest(
+                session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
+                draft_tokens=drafts, draft_probs=qs, sampling=self.params)
+            try:
+                response = await self.stub.Verify(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == RESYNC and self.synced > 0:
+                    log.info("[%s] verifier resync: %s", self.session_id, err.details())
+                    self.synced = 0
+                    self.stats.resyncs += 1
+                    continue
+                if err.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    attempt += 1
+                    await asyncio.sleep(0.5 * attempt)
+                    continue
+                raise
+            self.synced = len(history)
+            return response.num_accepted, response.next_token
+
+    async def close(self) -> None:
+        await self.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)
+
+
+class DrafterLink:
+    """A request's session on one drafter replica. A replica that fails is left for
+    another (which resyncs); with none left the rounds go on without drafts."""
+
+    def __init__(self, pool: DrafterPool, session_id: str, params: common_pb2.SamplingParams, stats: Stats,
+                 timeout_s: float):
+        self.pool, self.session_id, self.params, self.stats = pool, session_id, params, stats
+        self.timeout_s = timeout_s
+        self.replica: Replica | None = None
+        self.synced = 0
+
+    async def propose(self, history: list[int], k: int) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
+        while True:
+            if self.replica is None:
+                self.replica = await self.pool.acquire()
+                self.synced = 0
+                if self.replica is None:
+                    return [], []
+            try:
+                return await self._propose(history, k)
+            except grpc.aio.AioRpcError as err:
+                log.warning("[%s] drafter %s failed: %s; moving on", self.session_id, self.replica.address,
+                            err.code().name)
+                self.pool.mark_down(self.replica, err)
+                self.pool.release(self.replica)
+                self.replica = None
+                self.stats.drafter_failovers += 1
+
+    async def _propose(self, history: list[int], k: int):
+        while True:
+            request = drafter_pb2.ProposeRequest(
+                session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
+                num_draft_tokens=k, sampling=self.params)
+            drafts, qs = [], []
+            try:
+                async for draft in self.replica.stub.Propose(request, timeout=self.timeout_s):
+                    drafts.append(draft.token_id)
+                    if draft.HasField("q"):
+                        qs.append(draft.q)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == RESYNC and self.synced > 0:
+                    log.info("[%s] drafter resync: %s", self.session_id, err.details())
+                    self.synced = 0
+                    self.stats.resyncs += 1
+                    continue
+                raise
+            self.synced = len(history)
+            if qs and len(qs) != len(drafts):
+                # A draft without its distribution would be verified as one-hot: drop them all.
+                log.error("[%s] drafter %s sent %d distributions for %d drafts; ignoring its drafts",
+                          self.session_id, self.replica.address, len(qs), len(drafts))
+                return [], []
+            return drafts, qs
+
+    async def close(self) -> None:
+        if self.replica is not None:
+            replica, self.replica = self.replica, None
+            self.pool.release(replica)
+            await replica.stub.CloseSession(drafter_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)
+
+
+async def speculate(
+    prompt: list[int],
+    max_new_tokens: int,
+    k: int,
+    eos: set[int],
+    drafter: DrafterLink,
+    verifier: VerifierLink,
+    stats: Stats,
+) -> AsyncIterator[list[int]]:
+    """Yields the tokens committed by each round until max_new_tokens or an EOS token."""
+    history = list(prompt)
+    produced = 0
+    while produced < max_new_tokens:
+        # A round commits at most k + 1 tokens: never draft past the budget.
+        k_round = min(k, max_new_tokens - produced - 1)
+        # 1. Propose: the drafter extends the history by k_round draft tokens.
+        drafts, qs = await drafter.propose(history, k_round) if k_round > 0 else ([], [])
+        # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
+        accepted, next_token = await verifier.verify(history, drafts, qs)
+        stats.record(len(drafts), accepted)
+        # 3. Commit: the accepted drafts and the correction (or bonus) token.
+        new = drafts[:accepted] + [next_token]
+        for i, token in enumerate(new):
+            if token in eos:
+                new = new[:i + 1]
+                break
+        history.extend(new)
+        produced += len(new)
+        yield new
+        if new[-1] in eos:
+            return

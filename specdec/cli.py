@@ -1,0 +1,97 @@
+"""The `specdec` command: `specdec up` starts the services on loopback, `specdec
+generate` streams a completion from a running orchestrator."""
+
+import argparse
+import sys
+import time
+
+from specdec import flags, modeling
+
+
+def generate(args) -> int:
+    import grpc
+    from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+
+    request = pb.GenerateRequest(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_p=args.top_p, top_k=args.top_k, stop=args.stop or [])
+    if args.raw:
+        request.text = args.prompt
+    else:
+        request.chat.messages.add(role="user", content=args.prompt)
+    if args.seed is not None:
+        request.seed = args.seed
+    if args.k is not None:
+        request.num_speculative_tokens = args.k
+    started = time.monotonic()
+    with grpc.insecure_channel(args.address) as channel:
+        if args.wait:
+            wait_until_serving(args.address, args.wait)
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        try:
+            for event in stub.Generate(request, wait_for_ready=bool(args.wait), timeout=args.timeout):
+                if event.HasField("chunk"):
+                    sys.stdout.write(event.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    result = event.result
+        except grpc.RpcError as err:
+            print(f"\nspecdec generate: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    elapsed = time.monotonic() - started
+    s = result.stats
+    print(f"\n-- {result.usage.completion_tokens} tokens in {elapsed:.2f} s "
+          f"({result.usage.completion_tokens / elapsed:.1f} tokens/s), finish "
+          f"{pb.FinishReason.Name(result.finish_reason)}, {s.rounds} rounds, acceptance {s.acceptance_rate:.2f} "
+          f"({s.accepted_tokens}/{s.draft_tokens})", file=sys.stderr)
+    return 0
+
+
+def wait_until_serving(address: str, timeout_s: float) -> None:
+    from grpc_health.v1 import health_pb2
+    from specdec.launch import health_status
+
+    deadline = time.monotonic() + timeout_s
+    while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"specdec generate: {address} is not serving after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start the verifier, drafters and orchestrator on loopback")
+    flags.add(p, "--target", env="SPECDEC_TARGET", default=modeling.DEFAULT_TARGET, help="target model")
+    flags.add(p, "--draft", env="SPECDEC_DRAFT", default="ngram",
+              help='draft model (directory, hub id or .gguf), or "ngram" for prompt lookup')
+    flags.add(p, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
+    flags.add(p, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
+    flags.add(p, "--dtype", env="SPECDEC_DTYPE", default="float32", help="weights dtype of both models")
+    flags.add(p, "--device", env="SPECDEC_DEVICE", default="cpu", help="torch device of both models")
+    flags.add(p, "--startup-timeout", env="SPECDEC_STARTUP_TIMEOUT", type=float, default=600.0,
+              help="seconds to wait for every service to serve")
+
+    g = sub.add_parser("generate", help="stream a completion from a running orchestrator")
+    g.add_argument("prompt")
+    flags.add(g, "--address", env="SPECDEC_ADDRESS", default="127.0.0.1:50051", help="orchestrator host:port")
+    g.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as a chat message")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None)
+    g.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the orchestrator to be up")
+    g.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "up":
+        from specdec.launch import up
+
+        raise SystemExit(up(args))
+    raise SystemExit(generate(args))

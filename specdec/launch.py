@@ -1,0 +1,134 @@
+"""`specdec up`: the verifier, N drafters and the orchestrator as separate processes on
+loopback. Waits until every service reports SERVING, prints the address, and stops them
+all on Ctrl-C or SIGTERM (or when one of them dies)."""
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger("specdec.up")
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    name: str
+    port: int
+    argv: list[str]
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+
+def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
+         device: str = "cpu", extra_orchestrator: list[str] = ()) -> list[Service]:
+    """The processes of one deployment; `draft` is "ngram" or a draft model."""
+    python = [sys.executable, "-m"]
+    verifier = Service("verifier", free_port(), [])
+    verifier.argv = [*python, "verifier_service", "--host", HOST, "--port", str(verifier.port),
+                     "--model", target, "--dtype", dtype, "--device", device]
+    drafters = []
+    for i in range(num_drafters):
+        d = Service(f"drafter-{i}", free_port(), [])
+        proposer = ["--proposer", "ngram"] if draft == "ngram" else [
+            "--proposer", "model", "--model", draft, "--dtype", dtype, "--device", device]
+        d.argv = [*python, "drafter_service", "--host", HOST, "--port", str(d.port), *proposer]
+        drafters.append(d)
+    orchestrator = Service("orchestrator", port, [])
+    orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port),
+                         "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
+                         "--tokenizer", target, *extra_orchestrator]
+    return [verifier, *drafters, orchestrator]
+
+
+def health_status(address: str, timeout: float = 1.0) -> int:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return response.status
+        except grpc.RpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN
+
+
+def wait_serving(services: list[Service], timeout_s: float) -> None:
+    """Blocks until every service is SERVING; raises if one exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(services)
+    while pending:
+        for service in list(pending):
+            code = service.process.poll() if service.process else None
+            if code is not None:
+                raise RuntimeError(f"{service.name} exited with code {code} while starting (see its log above)")
+            if health_status(service.address) == health_pb2.HealthCheckResponse.SERVING:
+                print(f"specdec up: {service.name} serving on {service.address}", file=sys.stderr, flush=True)
+                pending.remove(service)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"not serving after {timeout_s:.0f} s: {', '.join(s.name for s in pending)}")
+        time.sleep(0.3)
+
+
+def start(services: list[Service], env: dict | None = None) -> None:
+    for service in services:
+        service.process = subprocess.Popen(service.argv, env=env or os.environ.copy())
+
+
+def stop(services: list[Service], grace_s: float = 10.0) -> None:
+    for service in services:
+        if service.process and service.process.poll() is None:
+            service.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for service in services:
+        if service.process:
+            try:
+                service.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                service.process.kill()
+                service.process.wait()
+
+
+def up(args) -> int:
+    services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"specdec up: starting the verifier ({args.target}), {args.num_drafters} drafter(s) ({args.draft}) "
+          f"and the orchestrator; the first start of the default target converts it (about 30 s)",
+          file=sys.stderr, flush=True)
+    try:
+        start(services)
+        wait_serving(services, args.startup_timeout)
+        print(f"specdec is up: Generate at {services[-1].address}", flush=True)
+        while not stopping:
+            for service in services:
+                if service.process.poll() is not None:
+                    print(f"specdec up: {service.name} exited with code {service.process.returncode}",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+        return 0
+    except (RuntimeError, TimeoutError) as err:
+        print(f"specdec up: {err}", file=sys.stderr)
+        return 1
+    finally:
+        stop(services)

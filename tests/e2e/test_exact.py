@@ -1,0 +1,98 @@
+"""Greedy output through the three real processes is token-identical to the target's
+own `generate(do_sample=False)`, on CPU in fp32."""
+
+import pytest
+import torch
+
+from cluster import Cluster, drafter, generate, orchestrator, pb, verifier
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Shopping list: eggs, milk, bread, eggs, milk,",
+    "Once upon a time, in a land far away, there lived",
+]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tiny_cluster(tiny_pair):
+    target_dir, draft_dir, _ = tiny_pair
+    cluster = Cluster()
+    v = verifier(target_dir)
+    model_drafter, ngram_drafter = drafter(draft_dir, "model-drafter"), drafter(None, "ngram-drafter")
+    cluster.start(v, model_drafter, ngram_drafter)
+    with_model = orchestrator(v, [model_drafter], target_dir, "orchestrator-model")
+    with_ngram = orchestrator(v, [ngram_drafter], target_dir, "orchestrator-ngram")
+    cluster.start(with_model, with_ngram)
+    yield cluster, {"model": with_model, "ngram": with_ngram}
+    cluster.close()
+
+
+def reference(model, ids: list[int], max_new: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_pair, smol_tokenizer):
+    model = tiny_pair[2]
+    cases = {}
+    for prompt in PROMPTS:
+        ids = smol_tokenizer(prompt)["input_ids"]
+        cases[prompt] = (ids, reference(model, ids, MAX_NEW))
+    # A degenerate target proves nothing: its output must vary.
+    for ids, out in cases.values():
+        assert len(set(out)) > MAX_NEW // 4, out
+    return cases
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_matches_target(tiny_cluster, expected, kind, k):
+    cluster, orchestrators = tiny_cluster
+    stub = cluster.orchestrator_stub(orchestrators[kind])
+    drafted = accepted = 0
+    for prompt, (ids, want) in expected.items():
+        chunks, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW,
+                                  num_speculative_tokens=k)
+        assert list(result.token_ids) == want, prompt
+        assert [t for c in chunks for t in c.token_ids] == want
+        assert result.usage.completion_tokens == len(want)
+        s = result.stats
+        drafted += s.draft_tokens
+        accepted += s.accepted_tokens
+        # Every round commits its accepted drafts plus one token of the target's.
+        assert s.accepted_tokens + s.rounds == len(want)
+    if kind == "model":
+        # Both paths ran: some drafts were accepted, some corrected.
+        assert 0 < accepted < drafted, (accepted, drafted)
+
+
+def test_text_prompt_matches_target(tiny_cluster, expected, smol_tokenizer):
+    cluster, orchestrators = tiny_cluster
+    stub = cluster.orchestrator_stub(orchestrators["model"])
+    prompt = PROMPTS[0]
+    chunks, result = generate(stub, text=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=4)
+    want = expected[prompt][1]
+    assert list(result.token_ids) == want
+    assert "".join(c.text for c in chunks) == result.text == smol_tokenizer.decode(want, skip_special_tokens=True)
+    assert result.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_target_alone_k0(tiny_cluster, expected):
+    cluster, orchestrators = tiny_cluster
+    stub = cluster.orchestrator_stub(orchestrators["model"])
+    ids, want = expected[PROMPTS[1]]
+    _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW, num_speculative_tokens=0)
+    assert list(result.token_ids) == want
+    assert result.stats.draft_tokens == 0 and result.stats.rounds == MAX_NEW
+
+
+def test_unary_complete(tiny_cluster, expected):
+    cluster, orchestrators = tiny_cluster
+    stub = cluster.orchestrator_stub(orchestrators["ngram"])
+    ids, want = expected[PROMPTS[2]]
+    result = stub.Complete(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW), timeout=60)
+    assert list(result.token_ids) == want

@@ -1,0 +1,56 @@
+"""Small models built for the tests: random weights, real architectures, real tokenizers.
+
+A random pair is useful only when it is not degenerate: the target's greedy output must
+vary, and the draft must agree with it on part of the tokens so both the accept and the
+correction paths run. The draft is the target with small noise on every weight."""
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+
+def build_llama(tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: int = 2,
+                init_range: float = 0.02, eos_token_id: int | None = None) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+        initializer_range=init_range, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = eos_token_id
+    save(model, tokenizer, path)
+    return model
+
+
+def noisy_copy(model: LlamaForCausalLM, tokenizer, path: Path, *, noise: float, seed: int) -> LlamaForCausalLM:
+    """The draft: every weight plus Gaussian noise of `noise` times that weight's spread."""
+    torch.manual_seed(seed)
+    draft = LlamaForCausalLM(model.config).eval()
+    draft.load_state_dict(model.state_dict())
+    draft.generation_config = model.generation_config
+    with torch.no_grad():
+        for p in draft.parameters():
+            spread = p.std() if p.numel() > 1 else p.abs()
+            p.add_(torch.randn_like(p) * spread * noise)
+    save(draft, tokenizer, path)
+    return draft
+
+
+def save(model, tokenizer, path: Path) -> None:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `words` (the first is the end-of-sequence token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=words[1]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=words[0], unk_token=words[1])

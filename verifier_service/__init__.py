@@ -1,0 +1,1 @@
+"""The verifier service: the target model checks draft tokens."""

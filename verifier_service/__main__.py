@@ -1,0 +1,3 @@
+from verifier_service.server import main
+
+main()

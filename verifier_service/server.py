@@ -1,0 +1,143 @@
+"""The verifier's gRPC server: sessions, each a token sequence with the target's KV
+cache, and one forward pass per round over the new tokens plus the drafts."""
+
+import argparse
+import asyncio
+import logging
+import math
+
+import torch
+
+from specdec import flags, modeling, sampling, server
+from specdec.common.v1 import common_pb2
+from specdec.errors import InvalidArgument, ServiceError, Unavailable, abort
+from specdec.kv import CachedSequence
+from specdec.sessions import SessionStore
+from specdec.validation import check_length, check_token_ids
+from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_service.acceptance import accept_greedy, accept_sampled, dense_q
+
+log = logging.getLogger("verifier")
+
+MAX_DRAFT_TOKENS = 64
+
+
+def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> None:
+    if not request.draft_probs:
+        return
+    if len(request.draft_probs) != len(request.draft_tokens):
+        raise InvalidArgument("draft_probs", f"has {len(request.draft_probs)} entries for "
+                                             f"{len(request.draft_tokens)} draft tokens")
+    for i, (dist, token) in enumerate(zip(request.draft_probs, request.draft_tokens)):
+        field = f"draft_probs[{i}]"
+        if not dist.token_ids or len(dist.token_ids) != len(dist.probs):
+            raise InvalidArgument(field, "needs as many probs as token_ids, at least one")
+        check_token_ids(f"{field}.token_ids", dist.token_ids, vocab_size)
+        if any(not math.isfinite(x) or x < 0 for x in dist.probs):
+            raise InvalidArgument(f"{field}.probs", "must be finite and >= 0")
+        if abs(sum(dist.probs) - 1.0) > 1e-3:
+            raise InvalidArgument(f"{field}.probs", f"must sum to 1, got {sum(dist.probs):.6f}")
+        if not any(t == token and x > 0 for t, x in zip(dist.token_ids, dist.probs)):
+            raise InvalidArgument(field, f"gives draft token {token} no probability")
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+    """Registered before the model loads; calls made before `ready` get UNAVAILABLE."""
+
+    def __init__(self, worker: server.ModelWorker):
+        self.worker = worker
+        self.model = None
+        self.store: SessionStore | None = None
+
+    def ready(self, model, info: common_pb2.ModelInfo, store: SessionStore) -> None:
+        self.model, self.info, self.store = model, info, store
+
+    async def Verify(self, request: verifier_pb2.VerifyRequest, context):
+        try:
+            if self.model is None:
+                raise Unavailable("the target model is still loading")
+            if len(request.draft_tokens) > MAX_DRAFT_TOKENS:
+                raise InvalidArgument("draft_tokens", f"at most {MAX_DRAFT_TOKENS}, got {len(request.draft_tokens)}")
+            sampling.validate(request.sampling)
+            check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
+            check_token_ids("draft_tokens", request.draft_tokens, self.info.vocab_size)
+            check_draft_probs(request, self.info.vocab_size)
+            if request.start == 0 and not request.new_tokens:
+                raise InvalidArgument("new_tokens", "must not be empty when start is 0")
+            check_length("draft_tokens", request.start + len(request.new_tokens) + len(request.draft_tokens) + 1,
+                         self.info)
+            session = self.store.get(request.session_id, request.start)
+            async with session.lock:
+                a, t = await self.worker.run(self.verify, session.state, request)
+            return verifier_pb2.VerifyResponse(num_accepted=a, next_token=t)
+        except ServiceError as err:
+            await abort(context, err)
+
+    def verify(self, seq: CachedSequence, request: verifier_pb2.VerifyRequest) -> tuple[int, int]:
+        seq.sync(request.start, list(request.new_tokens))
+        n = len(seq.tokens)  # committed length: drafts start here
+        drafts = list(request.draft_tokens)
+        seq.extend(drafts)
+        logits = seq.logits(len(drafts) + 1)  # [K+1, vocab]: one pass over new tokens + drafts
+        params = request.sampling
+        if sampling.is_greedy(params):
+            return accept_greedy(logits.argmax(dim=-1).tolist(), drafts)
+        p = sampling.probs(logits, params)
+        q = dense_q(list(request.draft_probs), drafts, p.shape[-1])
+        return accept_sampled(p, q, drafts, n, sampling.Draws(params.seed, "accept"),
+                              sampling.Draws(params.seed, "target"))
+
+    async def CloseSession(self, request, context):
+        closed = self.store is not None and self.store.close(request.session_id)
+        return verifier_pb2.CloseSessionResponse(closed=closed)
+
+    async def GetModelInfo(self, request, context):
+        if self.model is None:
+            await abort(context, Unavailable("the target model is still loading"))
+        return verifier_pb2.GetModelInfoResponse(info=self.info)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec-verifier", description=__doc__)
+    flags.add_server_flags(parser, "SPECDEC_VERIFIER", default_port=50053)
+    flags.add(parser, "--model", env="SPECDEC_VERIFIER_MODEL", default=modeling.DEFAULT_TARGET,
+              help="target model: a directory, a hub id, a .gguf file, or the embedded default")
+    flags.add(parser, "--dtype", env="SPECDEC_VERIFIER_DTYPE", default="float32", choices=sorted(modeling.DTYPES),
+              help="weights dtype")
+    flags.add(parser, "--device", env="SPECDEC_VERIFIER_DEVICE", default="cpu", help="torch device")
+    flags.add(parser, "--max-sessions", env="SPECDEC_VERIFIER_MAX_SESSIONS", type=int, default=256,
+              help="open sessions before RESOURCE_EXHAUSTED")
+    flags.add(parser, "--session-idle-timeout", env="SPECDEC_VERIFIER_SESSION_IDLE_TIMEOUT", type=float,
+              default=300.0, help="seconds before an idle session is released")
+    return parser
+
+
+async def serve(args) -> None:
+    servicer = VerifierServicer(server.ModelWorker())
+
+    async def load():
+        model, tokenizer = await asyncio.to_thread(modeling.load_model, args.model, args.dtype, args.device)
+        info = modeling.model_info(model, tokenizer, args.model, "target")
+        # Warm up: a prefill and a multi-token pass, so the first request is not slow.
+        seq = CachedSequence(model)
+        seq.sync(0, [0, 1, 0, 1])
+        await servicer.worker.run(seq.logits, 1)
+        seq.extend([0, 1, 0])
+        await servicer.worker.run(seq.logits, 4)
+        servicer.ready(model, info, SessionStore(lambda: CachedSequence(model), args.max_sessions,
+                                                 args.session_idle_timeout))
+
+    await server.serve(
+        name="verifier", host=args.host, port=args.port,
+        service_names=[verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name],
+        register=lambda s: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s),
+        load=load,
+        background=[lambda: servicer.store.reap_forever()],
+    )
+
+
+def main() -> None:
+    torch.set_grad_enabled(False)
+    args = build_parser().parse_args()
+    flags.setup_logging(args.log_level, "verifier")
+    asyncio.run(serve(args))
