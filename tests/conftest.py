@@ -31,9 +31,9 @@ MICRO_WORDS = ["<eos>", "a", "b", "c", "d", "e", "f", "g"]
 @pytest.fixture(scope="session")
 def micro_pair(tmp_path_factory):
     """(target_dir, draft_dir, target_model): an 8-token vocabulary, for statistics. The
-    draft is far from the target, so rejections (and the residual) matter."""
+    draft is the target with heavy noise, so rejections (and the residual) are common."""
     root = tmp_path_factory.mktemp("micro")
     tok = word_tokenizer(MICRO_WORDS)
     target = build_llama(tok, root / "target", seed=3, hidden=32, init_range=0.5)
-    build_llama(tok, root / "draft", seed=4, hidden=32, init_range=0.5)
+    noisy_copy(target, tok, root / "draft", noise=0.5, seed=4)
     return root / "target", root / "draft", target

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class DrafterServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Drafts tokens for sessions; see the package comment.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +53,8 @@ class DrafterServiceStub:
 
 
 class DrafterServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Drafts tokens for sessions; see the package comment.
+    """
 
     def Propose(self, request, context):
         """Brings the session up to date with the committed history, then streams up to
@@ -105,7 +107,8 @@ def add_DrafterServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DrafterService:
-    """Missing associated documentation comment in .proto file."""
+    """Drafts tokens for sessions; see the package comment.
+    """
 
     @staticmethod
     def Propose(request,

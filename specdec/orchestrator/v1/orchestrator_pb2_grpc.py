@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class OrchestratorServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The public endpoint of specdec.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class OrchestratorServiceStub:
 
 
 class OrchestratorServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The public endpoint of specdec.
+    """
 
     def Generate(self, request, context):
         """Streams the completion: Chunk messages as tokens are committed, then one
@@ -86,7 +88,8 @@ def add_OrchestratorServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class OrchestratorService:
-    """Missing associated documentation comment in .proto file."""
+    """The public endpoint of specdec.
+    """
 
     @staticmethod
     def Generate(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class VerifierServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Verifies draft tokens for sessions; see the package comment.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +53,8 @@ class VerifierServiceStub:
 
 
 class VerifierServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Verifies draft tokens for sessions; see the package comment.
+    """
 
     def Verify(self, request, context):
         """Brings the session up to date with the committed history, scores the draft
@@ -107,7 +109,8 @@ def add_VerifierServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class VerifierService:
-    """Missing associated documentation comment in .proto file."""
+    """Verifies draft tokens for sessions; see the package comment.
+    """
 
     @staticmethod
     def Verify(request,

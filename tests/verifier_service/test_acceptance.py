@@ -1,0 +1,86 @@
+"""The acceptance rule: greedy longest-prefix, and Leviathan et al.'s rejection rule,
+checked statistically, with a control showing the test catches a wrong residual."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdec.sampling import Draws
+from verifier_service.acceptance import accept_greedy, accept_sampled, dense_q
+from specdec.common.v1 import common_pb2
+
+
+def test_greedy_all_accepted_gives_the_bonus():
+    assert accept_greedy([5, 6, 7, 8], [5, 6, 7]) == (3, 8)
+
+
+def test_greedy_first_mismatch_gives_the_correction():
+    assert accept_greedy([5, 9, 7, 8], [5, 6, 7]) == (1, 9)
+
+
+def test_greedy_no_drafts_is_one_target_step():
+    assert accept_greedy([4], []) == (0, 4)
+
+
+def test_dense_q_one_hot_without_distributions():
+    q = dense_q([], [2, 0], vocab=3)
+    assert q.tolist() == [[0, 0, 1], [1, 0, 0]]
+
+
+def test_dense_q_from_sparse():
+    q = dense_q([common_pb2.SparseDistribution(token_ids=[2, 1], probs=[0.75, 0.25])], [2], vocab=4)
+    assert q.tolist() == [[0, 0.25, 0.75, 0]]
+
+
+P = torch.tensor([[0.40, 0.30, 0.15, 0.10, 0.05],   # target after the prefix
+                  [0.10, 0.20, 0.30, 0.20, 0.20]])  # target after the draft (bonus)
+Q = torch.tensor([[0.05, 0.10, 0.15, 0.30, 0.40]])  # a draft that disagrees a lot
+
+
+def first_tokens(n: int, accept_fn) -> np.ndarray:
+    """The first committed token of n rounds with K = 1 and independent seeds."""
+    counts = np.zeros(P.shape[1])
+    for seed in range(n):
+        x = Draws(seed, "draft").sample(Q[0], 0)
+        a, t = accept_fn(P, Q, [x], 0, Draws(seed, "accept"), Draws(seed, "target"))
+        counts[x if a == 1 else t] += 1
+    return counts
+
+
+def wrong_residual(p, q, drafts, start, accept, target):
+    """A classic bug: on rejection, resample from p instead of norm(max(0, p - q))."""
+    x = drafts[0]
+    if accept.uniform(start) * q[0, x] < p[0, x]:
+        return 1, target.sample(p[1], start + 1)
+    return 0, target.sample(p[0], start)
+
+
+def chi2_pvalue(counts: np.ndarray, probs: torch.Tensor) -> float:
+    expected = probs.double().numpy()
+    return stats.chisquare(counts, expected / expected.sum() * counts.sum()).pvalue
+
+
+def test_rejection_rule_keeps_the_target_distribution():
+    n = 6000
+    assert chi2_pvalue(first_tokens(n, accept_sampled), P[0]) > 1e-3
+    # The same test, the same samples' size, rejects the wrong residual decisively.
+    assert chi2_pvalue(first_tokens(n, wrong_residual), P[0]) < 1e-6
+
+
+def test_all_accepted_bonus_comes_from_p():
+    # q == p: every draft is accepted; the bonus is sampled from the last row of p.
+    counts = np.zeros(P.shape[1])
+    for seed in range(3000):
+        x = Draws(seed, "draft").sample(P[0], 0)
+        a, t = accept_sampled(P, P[:1], [x], 0, Draws(seed, "accept"), Draws(seed, "target"))
+        assert a == 1
+        counts[t] += 1
+    assert chi2_pvalue(counts, P[1]) > 1e-3
+
+
+def test_draws_are_keyed_by_seed_and_position():
+    assert Draws(1, "x").uniform(5) == Draws(1, "x").uniform(5)
+    assert len({Draws(1, "x").uniform(i) for i in range(5)}) == 5
+    assert Draws(1, "x").uniform(5) != Draws(1, "y").uniform(5)
+    assert Draws(1, "x").uniform(5) != Draws(2, "x").uniform(5)
