@@ -4,6 +4,7 @@ import os
 import sys
 
 import grpc
+import torch
 
 from specdec.launch import HOST, Service, free_port, start, stop, wait_serving
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
@@ -82,4 +83,11 @@ def generate(stub, timeout=120, **fields) -> tuple[list[pb.Chunk], pb.Result]:
     return chunks, result
 
 
-__all__ = ["Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2"]
+def reference(model, ids: list[int], max_new: int) -> list[int]:
+    """The target alone: transformers' greedy generate."""
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new)
+    return out[0, len(ids):].tolist()
+
+
+__all__ = ["Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2", "reference"]

@@ -2,9 +2,8 @@
 own `generate(do_sample=False)`, on CPU in fp32."""
 
 import pytest
-import torch
 
-from cluster import Cluster, drafter, generate, orchestrator, pb, verifier
+from cluster import generate, pb, reference
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -13,26 +12,6 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived",
 ]
 MAX_NEW = 40
-
-
-@pytest.fixture(scope="module")
-def tiny_cluster(tiny_pair):
-    target_dir, draft_dir, _ = tiny_pair
-    cluster = Cluster()
-    v = verifier(target_dir)
-    model_drafter, ngram_drafter = drafter(draft_dir, "model-drafter"), drafter(None, "ngram-drafter")
-    cluster.start(v, model_drafter, ngram_drafter)
-    with_model = orchestrator(v, [model_drafter], target_dir, "orchestrator-model")
-    with_ngram = orchestrator(v, [ngram_drafter], target_dir, "orchestrator-ngram")
-    cluster.start(with_model, with_ngram)
-    yield cluster, {"model": with_model, "ngram": with_ngram}
-    cluster.close()
-
-
-def reference(model, ids: list[int], max_new: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=max_new)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +30,7 @@ def expected(tiny_pair, smol_tokenizer):
 @pytest.mark.parametrize("kind", ["model", "ngram"])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_matches_target(tiny_cluster, expected, kind, k):
-    cluster, orchestrators = tiny_cluster
-    stub = cluster.orchestrator_stub(orchestrators[kind])
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles[kind])
     drafted = accepted = 0
     for prompt, (ids, want) in expected.items():
         chunks, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW,
@@ -71,8 +49,7 @@ def test_greedy_matches_target(tiny_cluster, expected, kind, k):
 
 
 def test_text_prompt_matches_target(tiny_cluster, expected, smol_tokenizer):
-    cluster, orchestrators = tiny_cluster
-    stub = cluster.orchestrator_stub(orchestrators["model"])
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
     prompt = PROMPTS[0]
     chunks, result = generate(stub, text=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=4)
     want = expected[prompt][1]
@@ -82,8 +59,7 @@ def test_text_prompt_matches_target(tiny_cluster, expected, smol_tokenizer):
 
 
 def test_target_alone_k0(tiny_cluster, expected):
-    cluster, orchestrators = tiny_cluster
-    stub = cluster.orchestrator_stub(orchestrators["model"])
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
     ids, want = expected[PROMPTS[1]]
     _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW, num_speculative_tokens=0)
     assert list(result.token_ids) == want
@@ -91,8 +67,7 @@ def test_target_alone_k0(tiny_cluster, expected):
 
 
 def test_unary_complete(tiny_cluster, expected):
-    cluster, orchestrators = tiny_cluster
-    stub = cluster.orchestrator_stub(orchestrators["ngram"])
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["ngram"])
     ids, want = expected[PROMPTS[2]]
     result = stub.Complete(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW), timeout=60)
     assert list(result.token_ids) == want

@@ -1,0 +1,22 @@
+import pytest
+
+from cluster import Cluster, drafter, orchestrator, verifier
+
+
+@pytest.fixture(scope="package")
+def tiny_cluster(tiny_pair):
+    """The tiny pair as real processes: one verifier, a model drafter and a prompt-lookup
+    drafter, and an orchestrator for each drafter."""
+    target_dir, draft_dir, _ = tiny_pair
+    cluster = Cluster()
+    v = verifier(target_dir)
+    model_drafter, ngram_drafter = drafter(draft_dir, "model-drafter"), drafter(None, "ngram-drafter")
+    cluster.start(v, model_drafter, ngram_drafter)
+    with_model = orchestrator(v, [model_drafter], target_dir, "orchestrator-model")
+    with_ngram = orchestrator(v, [ngram_drafter], target_dir, "orchestrator-ngram")
+    cluster.start(with_model, with_ngram)
+    cluster.roles = {"verifier": v, "model-drafter": model_drafter, "ngram-drafter": ngram_drafter,
+                     "model": with_model, "ngram": with_ngram}
+    yield cluster
+    cluster.close()
+
