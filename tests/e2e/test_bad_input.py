@@ -1,0 +1,126 @@
+"""Bad input gets INVALID_ARGUMENT (FAILED_PRECONDITION for session state) naming the
+field, and the services keep serving."""
+
+import math
+import subprocess
+
+import grpc
+import pytest
+
+from cluster import drafter, drafter_pb2, generate, orchestrator, pb, verifier_pb2
+from specdec.common.v1 import common_pb2
+
+GREEDY = common_pb2.SamplingParams(top_p=1.0)
+VOCAB = 49152
+
+
+def expect_error(call, code, field: str):
+    with pytest.raises(grpc.RpcError) as err:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, (str, bytes)):
+            list(result)
+    assert err.value.code() == code, err.value.details()
+    assert err.value.details().startswith(field), err.value.details()
+
+
+@pytest.mark.parametrize("field,fields", [
+    ("prompt", dict(max_new_tokens=4)),
+    ("text", dict(text="", max_new_tokens=4)),
+    ("chat.messages", dict(chat=pb.Chat(), max_new_tokens=4)),
+    ("chat.messages[0].role", dict(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="hi")]))),
+    ("token_ids.ids", dict(token_ids=pb.TokenIds(ids=[]))),
+    ("token_ids.ids[1]", dict(token_ids=pb.TokenIds(ids=[1, VOCAB]))),
+    ("token_ids.ids[0]", dict(token_ids=pb.TokenIds(ids=[-1]))),
+    ("max_new_tokens", dict(text="hi", max_new_tokens=0)),
+    ("max_new_tokens", dict(text="hi", max_new_tokens=-5)),
+    ("max_new_tokens", dict(text="hi", max_new_tokens=100_000)),
+    ("temperature", dict(text="hi", temperature=-0.5)),
+    ("temperature", dict(text="hi", temperature=math.nan)),
+    ("temperature", dict(text="hi", temperature=math.inf)),
+    ("top_p", dict(text="hi", top_p=0.0)),
+    ("top_p", dict(text="hi", top_p=1.01)),
+    ("top_p", dict(text="hi", top_p=math.nan)),
+    ("top_k", dict(text="hi", top_k=-1)),
+    ("num_speculative_tokens", dict(text="hi", num_speculative_tokens=-1)),
+    ("num_speculative_tokens", dict(text="hi", num_speculative_tokens=99)),
+    ("stop", dict(text="hi", stop=[""])),
+    ("request_id", dict(text="hi", request_id="x" * 200)),
+])
+def test_orchestrator_names_the_field(tiny_cluster, field, fields):
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    expect_error(lambda: stub.Generate(pb.GenerateRequest(**fields), timeout=10),
+                 grpc.StatusCode.INVALID_ARGUMENT, field)
+    expect_error(lambda: stub.Complete(pb.GenerateRequest(**fields), timeout=10),
+                 grpc.StatusCode.INVALID_ARGUMENT, field)
+
+
+def Verify(session_id="bad-input", start=0, new_tokens=(1, 2), **kw):
+    kw.setdefault("sampling", GREEDY)
+    return verifier_pb2.VerifyRequest(session_id=session_id, start=start, new_tokens=new_tokens, **kw)
+
+
+@pytest.mark.parametrize("code,field,message", [
+    (grpc.StatusCode.FAILED_PRECONDITION, "unknown session", Verify(session_id="never-opened", start=5)),
+    (grpc.StatusCode.INVALID_ARGUMENT, "session_id", Verify(session_id="")),
+    (grpc.StatusCode.INVALID_ARGUMENT, "new_tokens", Verify(new_tokens=[])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "new_tokens[1]", Verify(new_tokens=[1, VOCAB + 5])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "draft_tokens[0]", Verify(draft_tokens=[-3])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "draft_probs", Verify(
+        draft_tokens=[5, 6], draft_probs=[common_pb2.SparseDistribution(token_ids=[5], probs=[1.0])])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "draft_probs[0].probs", Verify(
+        draft_tokens=[5], draft_probs=[common_pb2.SparseDistribution(token_ids=[5, 6], probs=[0.9, 0.9])])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "draft_probs[0]", Verify(
+        draft_tokens=[5], draft_probs=[common_pb2.SparseDistribution(token_ids=[6], probs=[1.0])])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature", Verify(
+        sampling=common_pb2.SamplingParams(temperature=math.nan, top_p=1.0))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p", Verify(sampling=common_pb2.SamplingParams(top_p=0.0))),
+])
+def test_verifier_names_the_field(tiny_cluster, code, field, message):
+    stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])
+    expect_error(lambda: stub.Verify(message, timeout=10), code, field)
+
+
+def Propose(session_id="bad-input", start=0, new_tokens=(1, 2), k=2, **kw):
+    kw.setdefault("sampling", GREEDY)
+    return drafter_pb2.ProposeRequest(session_id=session_id, start=start, new_tokens=new_tokens,
+                                      num_draft_tokens=k, **kw)
+
+
+@pytest.mark.parametrize("code,field,message", [
+    (grpc.StatusCode.FAILED_PRECONDITION, "unknown session", Propose(session_id="never-opened", start=3)),
+    (grpc.StatusCode.INVALID_ARGUMENT, "num_draft_tokens", Propose(k=0)),
+    (grpc.StatusCode.INVALID_ARGUMENT, "num_draft_tokens", Propose(k=1000)),
+    (grpc.StatusCode.INVALID_ARGUMENT, "new_tokens[0]", Propose(new_tokens=[VOCAB])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "session_id", Propose(session_id="s" * 500)),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k", Propose(
+        sampling=common_pb2.SamplingParams(top_k=-1, top_p=1.0))),
+])
+def test_drafter_names_the_field(tiny_cluster, code, field, message):
+    stub = tiny_cluster.drafter_stub(tiny_cluster.roles["model-drafter"])
+    expect_error(lambda: stub.Propose(message, timeout=10), code, field)
+
+
+def test_services_keep_serving_after_bad_input(tiny_cluster):
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    _, result = generate(stub, text="Still here?", max_new_tokens=6)
+    assert result.usage.completion_tokens == 6
+    # No session was left behind by the rejected calls.
+    for role, module in (("verifier", verifier_pb2), ("model-drafter", drafter_pb2)):
+        service = tiny_cluster.roles[role]
+        stub = (tiny_cluster.verifier_stub if role == "verifier" else tiny_cluster.drafter_stub)(service)
+        assert not stub.CloseSession(module.CloseSessionRequest(session_id="bad-input"), timeout=5).closed
+
+
+def test_refuses_a_pair_whose_vocabularies_differ(tiny_cluster, micro_pair, tiny_pair):
+    """At start-up, with a clear message: a drafter on another vocabulary..."""
+    micro_drafter = drafter(micro_pair[1], "micro-drafter")
+    tiny_cluster.start(micro_drafter)
+    o = orchestrator(tiny_cluster.roles["verifier"], [micro_drafter], tiny_pair[0], "orchestrator-mismatch")
+    done = subprocess.run(o.argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "vocabulary differs from the target" in done.stderr
+    # ...and a tokenizer that is not the target's.
+    o = orchestrator(tiny_cluster.roles["verifier"], [], micro_pair[0], "orchestrator-wrong-tokenizer")
+    done = subprocess.run(o.argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "does not match the verifier's model" in done.stderr
