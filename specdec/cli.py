@@ -38,8 +38,9 @@ def generate(args) -> int:
             print(f"\nspecdec generate: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     elapsed = time.monotonic() - started
+    print(flush=True)
     s = result.stats
-    print(f"\n-- {result.usage.completion_tokens} tokens in {elapsed:.2f} s "
+    print(f"-- {result.usage.completion_tokens} tokens in {elapsed:.2f} s "
           f"({result.usage.completion_tokens / elapsed:.1f} tokens/s), finish "
           f"{pb.FinishReason.Name(result.finish_reason)}, {s.rounds} rounds, acceptance {s.acceptance_rate:.2f} "
           f"({s.accepted_tokens}/{s.draft_tokens})", file=sys.stderr)

@@ -1,0 +1,68 @@
+"""`specdec up` on the embedded default target (SmolLM2-135M-Instruct from its GGUF),
+a streamed chat Generate through it, and `specdec generate` from the command line:
+greedy output identical to the target alone."""
+
+import subprocess
+import sys
+
+import pytest
+
+from cluster import generate, pb, reference
+from specdec import modeling
+from specdec.launch import free_port, health_status
+from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+QUESTIONS = ["What is the capital of France?", "List three colors, then list them again."]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def up():
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--port", str(port)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()  # the launcher prints its address once all serve
+        assert f"127.0.0.1:{port}" in line, line
+        assert health_status(f"127.0.0.1:{port}") == health_pb2.HealthCheckResponse.SERVING
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0
+
+
+@pytest.fixture(scope="module")
+def target():
+    return modeling.load_model(modeling.DEFAULT_TARGET)
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_default_pair_matches_target(up, target, question):
+    model, tokenizer = target
+    want = reference(model, chat_ids(tokenizer, question), MAX_NEW)
+    with grpc.insecure_channel(up) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        chunks, result = generate(stub, chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
+                                  max_new_tokens=MAX_NEW, num_speculative_tokens=4)
+    assert list(result.token_ids) == want
+    assert "".join(c.text for c in chunks) == result.text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_cli_generate_streams_the_text(up, target):
+    model, tokenizer = target
+    question = QUESTIONS[0]
+    want = tokenizer.decode(reference(model, chat_ids(tokenizer, question), MAX_NEW), skip_special_tokens=True)
+    done = subprocess.run([sys.executable, "-m", "specdec", "generate", question, "--address", up,
+                           "--max-new-tokens", str(MAX_NEW)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want + "\n"
+    assert "tokens/s" in done.stderr
