@@ -8,7 +8,7 @@ import logging
 from specdec import flags, modeling, sampling, server
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
-from specdec.errors import InvalidArgument, ServiceError, Unavailable, abort
+from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
 from drafter_service.proposers import ModelProposer, NgramProposer, Proposer
@@ -18,22 +18,20 @@ log = logging.getLogger("drafter")
 MAX_DRAFT_TOKENS = 64
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    """Registered before the model loads (health answers NOT_SERVING meanwhile);
-    calls made before `ready` get UNAVAILABLE."""
+class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
+    pb = drafter_pb2
 
     def __init__(self, worker: server.ModelWorker):
-        self.worker = worker
+        super().__init__(worker)
         self.proposer: Proposer | None = None
-        self.store: SessionStore | None = None
 
     def ready(self, proposer: Proposer, store: SessionStore) -> None:
-        self.proposer, self.store, self.info = proposer, store, proposer.info()
+        self.proposer = proposer
+        super().ready(proposer.info(), store)
 
     async def Propose(self, request: drafter_pb2.ProposeRequest, context):
         try:
-            if self.proposer is None:
-                raise Unavailable("the draft model is still loading")
+            self.check_ready()
             k = request.num_draft_tokens
             if not 1 <= k <= MAX_DRAFT_TOKENS:
                 raise InvalidArgument("num_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
@@ -54,15 +52,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         except ServiceError as err:
             await abort(context, err)
 
-    async def CloseSession(self, request, context):
-        closed = self.store is not None and self.store.close(request.session_id)
-        return drafter_pb2.CloseSessionResponse(closed=closed)
-
-    async def GetModelInfo(self, request, context):
-        if self.proposer is None:
-            await abort(context, Unavailable("the draft model is still loading"))
-        return drafter_pb2.GetModelInfoResponse(info=self.info)
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-drafter", description=__doc__)
@@ -71,19 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
               help="model: a small causal LM (--model); ngram: prompt lookup, no model")
     flags.add(parser, "--model", env="SPECDEC_DRAFTER_MODEL", default=None,
               help="draft model: a directory, a hub id or a .gguf file (with --proposer model)")
-    flags.add(parser, "--dtype", env="SPECDEC_DRAFTER_DTYPE", default="float32", choices=sorted(modeling.DTYPES),
-              help="weights dtype")
-    flags.add(parser, "--device", env="SPECDEC_DRAFTER_DEVICE", default="cpu", help="torch device")
+    flags.add_session_service_flags(parser, "SPECDEC_DRAFTER")
     flags.add(parser, "--max-draft-support", env="SPECDEC_DRAFTER_MAX_DRAFT_SUPPORT", type=int, default=64,
               help="when sampling, draft from the top N tokens of q and send them")
     flags.add(parser, "--ngram-max", env="SPECDEC_DRAFTER_NGRAM_MAX", type=int, default=4,
               help="longest n-gram the prompt-lookup proposer matches")
     flags.add(parser, "--ngram-min", env="SPECDEC_DRAFTER_NGRAM_MIN", type=int, default=1,
               help="shortest n-gram the prompt-lookup proposer matches")
-    flags.add(parser, "--max-sessions", env="SPECDEC_DRAFTER_MAX_SESSIONS", type=int, default=256,
-              help="open sessions before RESOURCE_EXHAUSTED")
-    flags.add(parser, "--session-idle-timeout", env="SPECDEC_DRAFTER_SESSION_IDLE_TIMEOUT", type=float,
-              default=300.0, help="seconds before an idle session is released")
     return parser
 
 

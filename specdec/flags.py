@@ -29,6 +29,17 @@ def add_server_flags(parser: argparse.ArgumentParser, prefix: str, default_port:
     add(parser, "--log-level", env=f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
 
 
+def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """Flags of the services that load a model and keep sessions (drafter, verifier)."""
+    add(parser, "--dtype", env=f"{prefix}_DTYPE", default="float32", choices=["float32", "float16", "bfloat16"],
+        help="weights dtype")
+    add(parser, "--device", env=f"{prefix}_DEVICE", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    add(parser, "--max-sessions", env=f"{prefix}_MAX_SESSIONS", type=int, default=256,
+        help="open sessions before RESOURCE_EXHAUSTED")
+    add(parser, "--session-idle-timeout", env=f"{prefix}_SESSION_IDLE_TIMEOUT", type=float, default=300.0,
+        help="seconds before an idle session is released")
+
+
 def setup_logging(level: str, service: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),

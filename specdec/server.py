@@ -12,6 +12,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.common.v1 import common_pb2
+from specdec.errors import Unavailable, abort
+from specdec.sessions import SessionStore
+
 log = logging.getLogger(__name__)
 
 
@@ -24,6 +28,35 @@ class ModelWorker:
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+class SessionServicer:
+    """What the drafter and verifier servicers share. Registered before the model loads
+    (health answers NOT_SERVING meanwhile); calls made before `ready` get UNAVAILABLE.
+    `pb` is the service's generated module (its CloseSession/GetModelInfo messages)."""
+
+    pb = None
+
+    def __init__(self, worker: ModelWorker):
+        self.worker = worker
+        self.info: common_pb2.ModelInfo | None = None
+        self.store: SessionStore | None = None
+
+    def ready(self, info: common_pb2.ModelInfo, store: SessionStore) -> None:
+        self.info, self.store = info, store
+
+    def check_ready(self) -> None:
+        if self.info is None:
+            raise Unavailable("the model is still loading")
+
+    async def CloseSession(self, request, context):
+        closed = self.store is not None and self.store.close(request.session_id)
+        return self.pb.CloseSessionResponse(closed=closed)
+
+    async def GetModelInfo(self, request, context):
+        if self.info is None:
+            await abort(context, Unavailable("the model is still loading"))
+        return self.pb.GetModelInfoResponse(info=self.info)
 
 
 def create_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -10,7 +10,7 @@ import torch
 
 from specdec import flags, modeling, sampling, server
 from specdec.common.v1 import common_pb2
-from specdec.errors import InvalidArgument, ServiceError, Unavailable, abort
+from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.kv import CachedSequence
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
@@ -41,21 +41,12 @@ def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> N
             raise InvalidArgument(field, f"gives draft token {token} no probability")
 
 
-class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
-    """Registered before the model loads; calls made before `ready` get UNAVAILABLE."""
-
-    def __init__(self, worker: server.ModelWorker):
-        self.worker = worker
-        self.model = None
-        self.store: SessionStore | None = None
-
-    def ready(self, model, info: common_pb2.ModelInfo, store: SessionStore) -> None:
-        self.model, self.info, self.store = model, info, store
+class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
+    pb = verifier_pb2
 
     async def Verify(self, request: verifier_pb2.VerifyRequest, context):
         try:
-            if self.model is None:
-                raise Unavailable("the target model is still loading")
+            self.check_ready()
             if len(request.draft_tokens) > MAX_DRAFT_TOKENS:
                 raise InvalidArgument("draft_tokens", f"at most {MAX_DRAFT_TOKENS}, got {len(request.draft_tokens)}")
             sampling.validate(request.sampling)
@@ -87,28 +78,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return accept_sampled(p, q, drafts, n, sampling.Draws(params.seed, "accept"),
                               sampling.Draws(params.seed, "target"))
 
-    async def CloseSession(self, request, context):
-        closed = self.store is not None and self.store.close(request.session_id)
-        return verifier_pb2.CloseSessionResponse(closed=closed)
-
-    async def GetModelInfo(self, request, context):
-        if self.model is None:
-            await abort(context, Unavailable("the target model is still loading"))
-        return verifier_pb2.GetModelInfoResponse(info=self.info)
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-verifier", description=__doc__)
     flags.add_server_flags(parser, "SPECDEC_VERIFIER", default_port=50053)
     flags.add(parser, "--model", env="SPECDEC_VERIFIER_MODEL", default=modeling.DEFAULT_TARGET,
               help="target model: a directory, a hub id, a .gguf file, or the embedded default")
-    flags.add(parser, "--dtype", env="SPECDEC_VERIFIER_DTYPE", default="float32", choices=sorted(modeling.DTYPES),
-              help="weights dtype")
-    flags.add(parser, "--device", env="SPECDEC_VERIFIER_DEVICE", default="cpu", help="torch device")
-    flags.add(parser, "--max-sessions", env="SPECDEC_VERIFIER_MAX_SESSIONS", type=int, default=256,
-              help="open sessions before RESOURCE_EXHAUSTED")
-    flags.add(parser, "--session-idle-timeout", env="SPECDEC_VERIFIER_SESSION_IDLE_TIMEOUT", type=float,
-              default=300.0, help="seconds before an idle session is released")
+    flags.add_session_service_flags(parser, "SPECDEC_VERIFIER")
     return parser
 
 
@@ -124,7 +100,7 @@ async def serve(args) -> None:
         await servicer.worker.run(seq.logits, 1)
         seq.extend([0, 1, 0])
         await servicer.worker.run(seq.logits, 4)
-        servicer.ready(model, info, SessionStore(lambda: CachedSequence(model), args.max_sessions,
+        servicer.ready(info, SessionStore(lambda: CachedSequence(model), args.max_sessions,
                                                  args.session_idle_timeout))
 
     await server.serve(
