@@ -66,6 +66,8 @@ def _converted_gguf(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = cache_root() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)}"
+    if (target / "config.json").exists():  # no lock needed: the cache may be read-only (a baked image)
+        return target
     with _locked(target.with_suffix(".lock")):
         if (target / "config.json").exists():
             return target
