@@ -53,19 +53,36 @@ class Replica:
     sessions: int = 0
     down_until: float = 0.0
     checked: bool = False
+    removed: bool = False  # gone from the replica set: its sessions move at their next round
 
     def healthy(self, now: float) -> bool:
         return self.down_until <= now
 
 
 class DrafterPool:
+    """The current replica set, from a static list or from discovery (`update`)."""
+
     def __init__(self, addresses: list[str], target_fingerprint: str, target_name: str, retry_s: float = 2.0):
         self.target_fingerprint, self.target_name = target_fingerprint, target_name
         self.retry_s = retry_s
         self.replicas: dict[str, Replica] = {}
+        self.update(addresses)
+
+    def update(self, addresses: list[str]) -> None:
+        """Follows a new replica set. A removed replica takes no new sessions; its
+        sessions move to another replica (a resync) at their next round."""
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self.replicas[address] = Replica(address, channel, drafter_pb2_grpc.DrafterServiceStub(channel))
+            if address not in self.replicas:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self.replicas[address] = Replica(address, channel, drafter_pb2_grpc.DrafterServiceStub(channel))
+                log.info("drafter %s added (%d replicas)", address, len(self.replicas))
+        for address in set(self.replicas) - set(addresses):
+            replica = self.replicas.pop(address)
+            replica.removed = True
+            log.info("drafter %s removed (%d replicas); draining %d sessions", address, len(self.replicas),
+                     replica.sessions)
+            if replica.sessions == 0:
+                asyncio.ensure_future(replica.channel.close())
 
     async def check(self, replica: Replica, wait_s: float = 0.0) -> None:
         """Checks the replica's vocabulary against the target's (IncompatiblePair)."""
@@ -95,6 +112,8 @@ class DrafterPool:
 
     def release(self, replica: Replica) -> None:
         replica.sessions -= 1
+        if replica.removed and replica.sessions == 0:
+            asyncio.ensure_future(replica.channel.close())
 
     def mark_down(self, replica: Replica, err: grpc.aio.AioRpcError) -> None:
         log.warning("drafter %s failed (%s: %s); retrying it in %.1f s", replica.address, err.code().name,

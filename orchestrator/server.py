@@ -16,6 +16,7 @@ from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Overloaded, ServiceError, Unavailable, abort
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from orchestrator import discovery
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair, wait_for_info
 from orchestrator.speculation import DrafterLink, Stats, VerifierLink, speculate
 from orchestrator.text import TextStream
@@ -207,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--verifier", env="SPECDEC_VERIFIER_ADDRESS", default="127.0.0.1:50053", help="verifier host:port")
     add(parser, "--drafters", env="SPECDEC_DRAFTER_ADDRESSES", default="127.0.0.1:50052",
         help="comma-separated drafter replica host:port list (empty: the target alone)")
+    add(parser, "--drafter-dns", env="SPECDEC_DRAFTER_DNS", default="",
+        help="host:port of a headless Service whose addresses are the drafter replicas; replaces --drafters")
+    add(parser, "--drafter-dns-interval", env="SPECDEC_DRAFTER_DNS_INTERVAL", type=float, default=5.0,
+        help="seconds between two lookups of --drafter-dns")
     add(parser, "--tokenizer", env="SPECDEC_ORCHESTRATOR_TOKENIZER", default=modeling.DEFAULT_TARGET,
         help="the target's tokenizer (a model directory, hub id or .gguf file)")
     add(parser, "--num-speculative-tokens", env="SPECDEC_NUM_SPECULATIVE_TOKENS", type=int, default=4,
@@ -244,7 +249,10 @@ async def serve(args) -> None:
         if info.vocab_fingerprint != fingerprint:
             raise IncompatiblePair(f"the tokenizer {args.tokenizer!r} does not match the verifier's model "
                                    f"{info.model_name!r}: give the target's tokenizer with --tokenizer")
-        addresses = [a.strip() for a in args.drafters.split(",") if a.strip()]
+        if args.drafter_dns:
+            addresses = await asyncio.to_thread(discovery.resolve, args.drafter_dns)
+        else:
+            addresses = [a.strip() for a in args.drafters.split(",") if a.strip()]
         pool = DrafterPool(addresses, info.vocab_fingerprint, info.model_name)
         for replica in pool.replicas.values():
             try:
@@ -255,11 +263,16 @@ async def serve(args) -> None:
         servicer.ready(tokenizer, stub, info, pool)
         log.info("target %s (vocabulary %d), %d drafter replica(s)", info.model_name, info.vocab_size, len(addresses))
 
+    async def follow_drafters():
+        if args.drafter_dns:
+            await discovery.follow_dns(args.drafter_dns, servicer.pool, args.drafter_dns_interval)
+
     await server.serve(
         name="orchestrator", host=args.host, port=args.port,
         service_names=[pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name],
         register=lambda s: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(servicer, s),
         load=load,
+        background=[follow_drafters],
     )
 
 

@@ -90,6 +90,12 @@ class DrafterLink:
         self.synced = 0
 
     async def propose(self, history: list[int], k: int) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
+        if self.replica is not None and self.replica.removed:
+            log.info("[%s] drafter %s left the replica set; moving on", self.session_id, self.replica.address)
+            try:
+                await self.close()
+            except grpc.aio.AioRpcError:
+                pass  # it may be gone already; its idle timeout releases the session
         while True:
             if self.replica is None:
                 self.replica = await self.pool.acquire()
@@ -135,8 +141,11 @@ class DrafterLink:
     async def close(self) -> None:
         if self.replica is not None:
             replica, self.replica = self.replica, None
-            self.pool.release(replica)
-            await replica.stub.CloseSession(drafter_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)
+            try:
+                await replica.stub.CloseSession(drafter_pb2.CloseSessionRequest(session_id=self.session_id),
+                                                timeout=5)
+            finally:
+                self.pool.release(replica)
 
 
 async def speculate(

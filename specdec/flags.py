@@ -18,7 +18,13 @@ def add(parser: argparse.ArgumentParser, flag: str, *, env: str, default=None, t
         kwargs.setdefault("action", argparse.BooleanOptionalAction)
     else:
         kwargs["type"] = type
-    parser.add_argument(flag, default=default, help=f"{help} (env {env}; default: %(default)s)", **kwargs)
+    action = parser.add_argument(flag, default=default, help=f"{help} (env {env}; default: %(default)s)", **kwargs)
+    action.env = env
+
+
+def env_names(parser: argparse.ArgumentParser) -> set[str]:
+    """The environment variables a parser reads."""
+    return {a.env for a in parser._actions if hasattr(a, "env")}
 
 
 def add_server_flags(parser: argparse.ArgumentParser, prefix: str, default_port: int) -> None:

@@ -1,0 +1,176 @@
+"""The Kubernetes manifests: they render, validate offline against the Kubernetes
+schemas, fit the code (names, ports, flags), and their commands really run the system."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import kubernetes_validate
+import pytest
+import yaml
+
+from cluster import generate, pb, reference
+from specdec import flags, modeling
+from specdec.launch import HOST, Service, free_port, stop, wait_serving
+from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERLAYS = ["cpu", "gpu"]
+KUBERNETES_VERSION = "1.32.0"
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize)")
+
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run(["kubectl", "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)],
+                         capture_output=True, text=True, check=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(docs, kind) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def container(deployment: dict) -> dict:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def environment(c: dict, docs) -> dict[str, str]:
+    """A container's environment as Kubernetes would set it (envFrom, then env)."""
+    configmaps = by_kind(docs, "ConfigMap")
+    env = {}
+    for source in c.get("envFrom", []):
+        env.update(configmaps[source["configMapRef"]["name"]]["data"])
+    env.update({e["name"]: e["value"] for e in c.get("env", [])})
+    return env
+
+
+def parsers():
+    from drafter_service.server import build_parser as drafter
+    from orchestrator.server import build_parser as orchestrator
+    from verifier_service.server import build_parser as verifier
+
+    return {"specdec-verifier": verifier(), "specdec-drafter": drafter(), "specdec-orchestrator": orchestrator()}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_renders_and_validates(overlay):
+    docs = render(overlay)
+    kinds = sorted(d["kind"] for d in docs)
+    for kind in ("Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler", "PodDisruptionBudget"):
+        assert kind in kinds
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_structure_fits_the_code(overlay):
+    docs = render(overlay)
+    deployments, services = by_kind(docs, "Deployment"), by_kind(docs, "Service")
+    scripts = parsers()
+    assert set(deployments) == {"specdec-verifier", "specdec-drafter", "specdec-orchestrator"}
+    ports = {}
+    for name, deployment in deployments.items():
+        spec = deployment["spec"]
+        labels = spec["template"]["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items(), name
+        c = container(deployment)
+        (command,) = c["command"]
+        assert command == name, "the container runs its own service's console script"
+        env = environment(c, docs)
+        own = {e["name"] for e in c["env"]}
+        assert own <= flags.env_names(scripts[command]), f"{name} sets variables its flags do not read"
+        (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"]
+        role = name.removeprefix("specdec-").upper()
+        assert env[f"SPECDEC_{role}_PORT"] == str(port)
+        assert env[f"SPECDEC_{role}_HOST"] == "0.0.0.0"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == port, (name, probe)  # grpc.health.v1 on the service port
+        security = c["securityContext"]
+        assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
+        assert spec["template"]["spec"]["securityContext"]["runAsNonRoot"]
+        ports[name] = port
+        # GPUs only in the verifier's limits.
+        resources = c["resources"]
+        assert "nvidia.com/gpu" not in resources.get("requests", {})
+        if name != "specdec-verifier":
+            assert "nvidia.com/gpu" not in resources.get("limits", {})
+    gpu = container(deployments["specdec-verifier"])["resources"].get("limits", {}).get("nvidia.com/gpu")
+    assert gpu == (1 if overlay == "gpu" else None)
+
+    for name, service in services.items():
+        target = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= target.items()
+        (port,) = service["spec"]["ports"]
+        assert port["port"] == ports[name] and port["targetPort"] == "grpc"
+    assert services["specdec-drafter"]["spec"]["clusterIP"] == "None"  # headless: one address per replica
+
+    # The shared ConfigMap holds only variables some service reads (a typo would be ignored).
+    read = set().union(*(flags.env_names(p) for p in scripts.values()))
+    for configmap in by_kind(docs, "ConfigMap").values():
+        assert set(configmap["data"]) <= read, set(configmap["data"]) - read
+
+    env = environment(container(deployments["specdec-orchestrator"]), docs)
+    assert env["SPECDEC_VERIFIER_ADDRESS"] == f"specdec-verifier:{ports['specdec-verifier']}"
+    assert env["SPECDEC_DRAFTER_DNS"] == f"specdec-drafter:{ports['specdec-drafter']}"
+
+    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler").values()
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "specdec-drafter"
+    for pdb in by_kind(docs, "PodDisruptionBudget").values():
+        selected = pdb["spec"]["selector"]["matchLabels"]
+        assert any(selected.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+                   for d in deployments.values())
+
+
+def test_dockerfile_installs_what_the_manifests_run():
+    dockerfile = (ROOT / "deploy/docker/Dockerfile").read_text()
+    for path in ("specdec", "drafter_service", "verifier_service", "orchestrator", "pyproject.toml"):
+        assert f"COPY {path} " in dockerfile
+        assert (ROOT / path).exists()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for script in parsers():
+        assert f"{script} = " in pyproject
+
+
+@pytest.fixture(scope="module")
+def default_target():
+    return modeling.load_model(modeling.DEFAULT_TARGET)
+
+
+def test_cpu_overlay_commands_serve_generate(default_target):
+    """Each container's command and environment, run as a local process: ports mapped
+    to free loopback ports, the Service names mapped to those addresses."""
+    docs = render("cpu")
+    deployments = by_kind(docs, "Deployment")
+    services = [Service(name, free_port(), []) for name in ("specdec-verifier", "specdec-drafter",
+                                                             "specdec-orchestrator")]
+    # "specdec-verifier:50053" (a Service name and port) -> "127.0.0.1:<free port>"
+    local = {f"{s.name}:{container(deployments[s.name])['ports'][0]['containerPort']}": s.address for s in services}
+    envs = {}
+    for service in services:
+        c = container(deployments[service.name])
+        env = {key: local.get(value, value) for key, value in environment(c, docs).items()}
+        role = service.name.removeprefix("specdec-").upper()
+        env[f"SPECDEC_{role}_HOST"], env[f"SPECDEC_{role}_PORT"] = HOST, str(service.port)
+        service.argv = [str(Path(sys.executable).parent / c["command"][0]), *c.get("args", [])]
+        envs[service.name] = {**os.environ, **env}
+    try:
+        for service in services:
+            service.process = subprocess.Popen(service.argv, env=envs[service.name])
+        wait_serving(services, 300)
+        model, tokenizer = default_target
+        question = "Name a primary color."
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False)
+        want = reference(model, tokenizer(text, add_special_tokens=False)["input_ids"], 16)
+        with grpc.insecure_channel(services[-1].address) as channel:
+            _, result = generate(orchestrator_pb2_grpc.OrchestratorServiceStub(channel),
+                                 chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
+                                 max_new_tokens=16)
+        assert list(result.token_ids) == want
+    finally:
+        stop(services)
