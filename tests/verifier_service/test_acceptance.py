@@ -38,12 +38,15 @@ P = torch.tensor([[0.40, 0.30, 0.15, 0.10, 0.05],   # target after the prefix
 Q = torch.tensor([[0.05, 0.10, 0.15, 0.30, 0.40]])  # a draft that disagrees a lot
 
 
-def first_tokens(n: int, accept_fn) -> np.ndarray:
+ONE_HOT = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0]])  # a deterministic proposer (greedy, n-gram)
+
+
+def first_tokens(n: int, accept_fn, q=Q) -> np.ndarray:
     """The first committed token of n rounds with K = 1 and independent seeds."""
     counts = np.zeros(P.shape[1])
     for seed in range(n):
-        x = Draws(seed, "draft").sample(Q[0], 0)
-        a, t = accept_fn(P, Q, [x], 0, Draws(seed, "accept"), Draws(seed, "target"))
+        x = Draws(seed, "draft").sample(q[0], 0)
+        a, t = accept_fn(P, q, [x], 0, Draws(seed, "accept"), Draws(seed, "target"))
         counts[x if a == 1 else t] += 1
     return counts
 
@@ -66,6 +69,11 @@ def test_rejection_rule_keeps_the_target_distribution():
     assert chi2_pvalue(first_tokens(n, accept_sampled), P[0]) > 1e-3
     # The same test, the same samples' size, rejects the wrong residual decisively.
     assert chi2_pvalue(first_tokens(n, wrong_residual), P[0]) < 1e-6
+
+
+def test_one_hot_proposals_keep_the_target_distribution():
+    # A proposer without probabilities: q is one-hot, x is accepted with probability p(x).
+    assert chi2_pvalue(first_tokens(4000, accept_sampled, ONE_HOT), P[0]) > 1e-3
 
 
 def test_all_accepted_bonus_comes_from_p():
