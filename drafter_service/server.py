@@ -79,7 +79,7 @@ def make_proposer(args) -> Proposer:
     return ModelProposer(model, tokenizer, args.model, args.max_draft_support)
 
 
-async def serve(args) -> None:
+async def serve(args, on_listen=None) -> None:
     servicer = DrafterServicer(server.ModelWorker())
 
     async def load():
@@ -95,6 +95,7 @@ async def serve(args) -> None:
         service_names=[drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name],
         register=lambda s: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, s),
         load=load,
+        on_listen=on_listen,
         background=[lambda: servicer.store.reap_forever()],
     )
 

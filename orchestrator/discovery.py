@@ -1,9 +1,18 @@
-"""Drafter discovery by DNS: a Kubernetes headless Service resolves to one address per
-ready drafter pod. The name is re-resolved periodically and the pool follows."""
+"""Where the drafter replica set comes from, and following it.
+
+- a static list of addresses (--drafters);
+- DNS (--drafter-dns): a Kubernetes headless Service resolves to one address per ready
+  drafter pod;
+- Ray (--drafter-ray): the drafter controller actor knows its replicas' current
+  addresses (a restarted actor comes back on a new port) and can change their number.
+
+The set is looked up periodically and the pool follows; a failed lookup keeps the
+current set (a hiccup must not empty the pool)."""
 
 import asyncio
 import logging
 import socket
+from typing import Awaitable, Callable
 
 from orchestrator.pool import DrafterPool
 
@@ -27,18 +36,57 @@ def resolve(target: str) -> list[str]:
     return sorted(addresses)
 
 
-async def follow_dns(target: str, pool: DrafterPool, interval_s: float) -> None:
-    """Keeps the pool equal to what `target` resolves to. A failed lookup keeps the
-    current set (a DNS hiccup must not empty the pool)."""
+class StaticSource:
+    kind = "static"
+
+    def __init__(self, addresses: list[str]):
+        self._addresses = addresses
+
+    async def addresses(self) -> list[str]:
+        return self._addresses
+
+
+class DnsSource:
+    kind = "dns"
+
+    def __init__(self, target: str):
+        self.target = target
+
+    async def addresses(self) -> list[str]:
+        return await asyncio.to_thread(resolve, self.target)
+
+
+class RaySource:
+    """The drafter controller actor of a Ray deployment (deploy/ray)."""
+
+    kind = "ray"
+
+    def __init__(self, controller: str, namespace: str, address: str):
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
+        self.controller = ray.get_actor(controller, namespace=namespace)
+
+    async def addresses(self) -> list[str]:
+        return sorted(await self.controller.drafter_addresses.remote())
+
+    async def scale(self, replicas: int) -> int:
+        return await self.controller.scale.remote(replicas)
+
+
+async def follow(source, pool: DrafterPool, interval_s: float) -> None:
+    """Keeps the pool equal to the source's replica set."""
     current: list[str] | None = None
     while True:
         try:
-            addresses = await asyncio.to_thread(resolve, target)
-        except OSError as err:
-            log.warning("resolving %s failed (%s); keeping %d replicas", target, err, len(pool.replicas))
+            addresses = await source.addresses()
+        except Exception as err:  # a lookup failure of any kind keeps the current set
+            log.warning("looking up drafters (%s) failed: %s; keeping %d replicas", source.kind, err,
+                        len(pool.replicas))
         else:
             if addresses != current:
-                log.info("%s resolves to %s", target, ", ".join(addresses) or "nothing")
+                log.info("drafters (%s): %s", source.kind, ", ".join(addresses) or "none")
                 pool.update(addresses)
                 current = addresses
         await asyncio.sleep(interval_s)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import random
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -13,10 +14,11 @@ import grpc
 
 from specdec import flags, modeling, server
 from specdec.common.v1 import common_pb2
-from specdec.errors import InvalidArgument, Overloaded, ServiceError, Unavailable, abort
+from specdec.errors import InvalidArgument, Overloaded, Precondition, ServiceError, Unavailable, abort
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from orchestrator import discovery
+from orchestrator.autoscale import Autoscaler, Policy
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair, wait_for_info
 from orchestrator.speculation import DrafterLink, Stats, VerifierLink, speculate
 from orchestrator.text import TextStream
@@ -197,6 +199,55 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         )
 
 
+class AdminServicer(orchestrator_pb2_grpc.OrchestratorAdminServiceServicer):
+    def __init__(self):
+        self.pool: DrafterPool | None = None
+        self.source = None
+        self.autoscaler: Autoscaler | None = None
+
+    def ready(self, pool: DrafterPool, source, autoscaler: "Autoscaler | None") -> None:
+        self.pool, self.source, self.autoscaler = pool, source, autoscaler
+
+    async def ScaleDrafters(self, request: pb.ScaleDraftersRequest, context):
+        if self.pool is None:
+            await abort(context, Unavailable("still starting"))
+        if not hasattr(self.source, "scale"):
+            await abort(context, Precondition(f"drafters come from a {self.source.kind} set; scale them there "
+                                              "(Ray deployments only)"))
+        if request.replicas < 0:
+            await abort(context, InvalidArgument("replicas", f"must be >= 0, got {request.replicas}"))
+        log.info("scaling drafters to %d (admin request)", request.replicas)
+        return pb.ScaleDraftersResponse(replicas=await self.source.scale(request.replicas))
+
+    async def ListDrafters(self, request, context):
+        if self.pool is None:
+            await abort(context, Unavailable("still starting"))
+        now = time.monotonic()
+        return pb.ListDraftersResponse(
+            replicas=[pb.DrafterReplica(address=r.address, sessions=r.sessions, healthy=r.healthy(now))
+                      for r in self.pool.replicas.values()],
+            source=self.source.kind,
+            last_scaling_decision=self.autoscaler.last_decision if self.autoscaler else "")
+
+
+def drafter_source(args):
+    if args.drafter_ray:
+        return discovery.RaySource(args.drafter_ray, args.ray_namespace, args.ray_address)
+    if args.drafter_dns:
+        return discovery.DnsSource(args.drafter_dns)
+    return discovery.StaticSource([a.strip() for a in args.drafters.split(",") if a.strip()])
+
+
+def autoscaler(args, pool: DrafterPool, source) -> "Autoscaler | None":
+    if not args.autoscale:
+        return None
+    if not hasattr(source, "scale"):
+        raise SystemExit("--autoscale needs drafters launched through Ray (--drafter-ray)")
+    policy = Policy(args.autoscale_min_replicas, args.autoscale_max_replicas, args.autoscale_target_sessions,
+                    args.autoscale_cooldown)
+    return Autoscaler(policy, pool, source)
+
+
 def _rate(stats: Stats) -> float:
     return stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0
 
@@ -210,8 +261,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated drafter replica host:port list (empty: the target alone)")
     add(parser, "--drafter-dns", env="SPECDEC_DRAFTER_DNS", default="",
         help="host:port of a headless Service whose addresses are the drafter replicas; replaces --drafters")
-    add(parser, "--drafter-dns-interval", env="SPECDEC_DRAFTER_DNS_INTERVAL", type=float, default=5.0,
-        help="seconds between two lookups of --drafter-dns")
+    add(parser, "--drafter-ray", env="SPECDEC_DRAFTER_RAY", default="",
+        help="name of the Ray drafter controller actor (deploy/ray); replaces --drafters")
+    add(parser, "--ray-address", env="SPECDEC_RAY_ADDRESS", default="auto", help="Ray cluster for --drafter-ray")
+    add(parser, "--ray-namespace", env="SPECDEC_RAY_NAMESPACE", default="specdec", help="Ray namespace")
+    add(parser, "--drafter-refresh-interval", env="SPECDEC_DRAFTER_REFRESH_INTERVAL", type=float, default=5.0,
+        help="seconds between two lookups of the drafter set (DNS or Ray)")
+    add(parser, "--autoscale", env="SPECDEC_AUTOSCALE", type=bool, default=False,
+        help="size the Ray drafter pool from the measured load")
+    add(parser, "--autoscale-min-replicas", env="SPECDEC_AUTOSCALE_MIN_REPLICAS", type=int, default=1,
+        help="fewest drafters the autoscaler keeps")
+    add(parser, "--autoscale-max-replicas", env="SPECDEC_AUTOSCALE_MAX_REPLICAS", type=int, default=4,
+        help="most drafters the autoscaler starts")
+    add(parser, "--autoscale-target-sessions", env="SPECDEC_AUTOSCALE_TARGET_SESSIONS", type=float, default=4.0,
+        help="requests per drafter replica the autoscaler sizes the pool for")
+    add(parser, "--autoscale-cooldown", env="SPECDEC_AUTOSCALE_COOLDOWN", type=float, default=30.0,
+        help="seconds between two scaling decisions")
     add(parser, "--tokenizer", env="SPECDEC_ORCHESTRATOR_TOKENIZER", default=modeling.DEFAULT_TARGET,
         help="the target's tokenizer (a model directory, hub id or .gguf file)")
     add(parser, "--num-speculative-tokens", env="SPECDEC_NUM_SPECULATIVE_TOKENS", type=int, default=4,
@@ -233,11 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(args) -> None:
+async def serve(args, on_listen=None) -> None:
     limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
                     args.max_speculative_tokens, args.max_concurrent_requests, args.drafter_timeout,
                     args.verifier_timeout)
     servicer = OrchestratorServicer(limits)
+    admin = AdminServicer()
 
     async def load():
         tokenizer = await asyncio.to_thread(modeling.load_tokenizer, args.tokenizer)
@@ -249,10 +315,8 @@ async def serve(args) -> None:
         if info.vocab_fingerprint != fingerprint:
             raise IncompatiblePair(f"the tokenizer {args.tokenizer!r} does not match the verifier's model "
                                    f"{info.model_name!r}: give the target's tokenizer with --tokenizer")
-        if args.drafter_dns:
-            addresses = await asyncio.to_thread(discovery.resolve, args.drafter_dns)
-        else:
-            addresses = [a.strip() for a in args.drafters.split(",") if a.strip()]
+        source = drafter_source(args)
+        addresses = await source.addresses()
         pool = DrafterPool(addresses, info.vocab_fingerprint, info.model_name)
         for replica in pool.replicas.values():
             try:
@@ -261,18 +325,27 @@ async def serve(args) -> None:
             except grpc.aio.AioRpcError as err:
                 log.warning("drafter %s not reachable yet (%s); will retry", replica.address, err.code().name)
         servicer.ready(tokenizer, stub, info, pool)
-        log.info("target %s (vocabulary %d), %d drafter replica(s)", info.model_name, info.vocab_size, len(addresses))
+        admin.ready(pool, source, autoscaler(args, pool, source))
+        log.info("target %s (vocabulary %d), %d drafter replica(s) (%s)", info.model_name, info.vocab_size,
+                 len(addresses), source.kind)
 
     async def follow_drafters():
-        if args.drafter_dns:
-            await discovery.follow_dns(args.drafter_dns, servicer.pool, args.drafter_dns_interval)
+        if admin.source.kind != "static":
+            await discovery.follow(admin.source, admin.pool, args.drafter_refresh_interval)
+
+    async def autoscale():
+        if admin.autoscaler is not None:
+            await admin.autoscaler.run()
 
     await server.serve(
         name="orchestrator", host=args.host, port=args.port,
-        service_names=[pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name],
-        register=lambda s: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(servicer, s),
+        service_names=[pb.DESCRIPTOR.services_by_name[name].full_name
+                       for name in ("OrchestratorService", "OrchestratorAdminService")],
+        register=lambda s: (orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(servicer, s),
+                            orchestrator_pb2_grpc.add_OrchestratorAdminServiceServicer_to_server(admin, s)),
         load=load,
-        background=[follow_drafters],
+        on_listen=on_listen,
+        background=[follow_drafters, autoscale],
     )
 
 

@@ -58,6 +58,53 @@ def wait_until_serving(address: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+def ray_command(args) -> int:
+    import grpc
+    from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+
+    if args.ray_command == "up":
+        import signal
+
+        from deploy.ray import launcher
+
+        autoscale = None
+        if args.autoscale:
+            autoscale = {"min": args.autoscale_min_replicas, "max": args.autoscale_max_replicas,
+                         "target_sessions": args.autoscale_target_sessions, "cooldown_s": args.autoscale_cooldown}
+        started = time.monotonic()
+        deployment = launcher.up(args.target, args.draft, args.num_drafters, port=args.port, address=args.address,
+                                 verifier_gpus=args.verifier_gpus, drafter_cpus=args.drafter_cpus,
+                                 autoscale=autoscale)
+        print(f"specdec is up on Ray in {time.monotonic() - started:.1f} s: Generate at {deployment.address}",
+              flush=True)
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        try:
+            while not stop:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        deployment.down()
+        return 0
+    with grpc.insecure_channel(args.orchestrator) as channel:
+        admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel)
+        try:
+            if args.ray_command == "scale-drafters":
+                replicas = admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=args.replicas), timeout=60).replicas
+                print(f"drafter replicas: {replicas}")
+            else:
+                listing = admin.ListDrafters(pb.ListDraftersRequest(), timeout=10)
+                print(f"{len(listing.replicas)} drafter replicas ({listing.source})")
+                for r in listing.replicas:
+                    print(f"  {r.address}  sessions={r.sessions}  healthy={r.healthy}")
+                if listing.last_scaling_decision:
+                    print(f"last autoscaling decision: {listing.last_scaling_decision}")
+        except grpc.RpcError as err:
+            print(f"specdec ray: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +133,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None)
     g.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the orchestrator to be up")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
+    r = sub.add_parser("ray", help="launch on Ray and scale drafters")
+    ray_sub = r.add_subparsers(dest="ray_command", required=True)
+    ru = ray_sub.add_parser("up", help="start the services as Ray actors (local Ray, or --address)")
+    flags.add(ru, "--address", env="SPECDEC_RAY_ADDRESS", default=None,
+              help='an existing Ray cluster ("auto", "ray://host:10001"); a local Ray when unset')
+    flags.add(ru, "--target", env="SPECDEC_TARGET", default=modeling.DEFAULT_TARGET, help="target model")
+    flags.add(ru, "--draft", env="SPECDEC_DRAFT", default="ngram", help='draft model, or "ngram"')
+    flags.add(ru, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
+    flags.add(ru, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
+    flags.add(ru, "--verifier-gpus", env="SPECDEC_VERIFIER_GPUS", default="auto",
+              help='GPUs for the verifier actor; "auto": 1 when the cluster has a GPU')
+    flags.add(ru, "--drafter-cpus", env="SPECDEC_DRAFTER_CPUS", type=float, default=1.0,
+              help="CPUs each drafter actor asks for")
+    flags.add(ru, "--autoscale", env="SPECDEC_AUTOSCALE", type=bool, default=False,
+              help="size the drafter pool from the load")
+    flags.add(ru, "--autoscale-min-replicas", env="SPECDEC_AUTOSCALE_MIN_REPLICAS", type=int, default=1,
+              help="fewest drafters")
+    flags.add(ru, "--autoscale-max-replicas", env="SPECDEC_AUTOSCALE_MAX_REPLICAS", type=int, default=4,
+              help="most drafters")
+    flags.add(ru, "--autoscale-target-sessions", env="SPECDEC_AUTOSCALE_TARGET_SESSIONS", type=float, default=4.0,
+              help="requests per drafter the pool is sized for")
+    flags.add(ru, "--autoscale-cooldown", env="SPECDEC_AUTOSCALE_COOLDOWN", type=float, default=30.0,
+              help="seconds between two scaling decisions")
+    rs = ray_sub.add_parser("scale-drafters", help="set the number of drafter replicas")
+    rs.add_argument("replicas", type=int)
+    rl = ray_sub.add_parser("drafters", help="list the drafter replicas and their load")
+    for p in (rs, rl):
+        flags.add(p, "--orchestrator", env="SPECDEC_ADDRESS", default="127.0.0.1:50051",
+                  help="the orchestrator's host:port")
     return parser
 
 
@@ -95,4 +171,6 @@ def main(argv=None) -> None:
         from specdec.launch import up
 
         raise SystemExit(up(args))
+    if args.command == "ray":
+        raise SystemExit(ray_command(args))
     raise SystemExit(generate(args))

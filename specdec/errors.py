@@ -23,6 +23,12 @@ class NeedsResync(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Precondition(ServiceError):
+    """The system is not in a state where the call makes sense."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Overloaded(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import logging
 import signal
+import threading
 from typing import Awaitable, Callable
 
 import grpc
@@ -78,9 +79,11 @@ async def serve(
     load: Callable[[], Awaitable[None]],
     background: list[Callable[[], Awaitable[None]]] = (),
     grace_s: float = 5.0,
+    on_listen: Callable[[int, Callable[[], None]], None] | None = None,
 ) -> None:
     """Starts the server at once (health answers NOT_SERVING), awaits `load`, then
-    reports SERVING; stops gracefully on SIGTERM or SIGINT."""
+    reports SERVING; stops gracefully on SIGTERM or SIGINT. `on_listen(port, stop)`
+    tells an embedding host (a Ray actor) the bound port and a thread-safe stop."""
     server, bound = create_server(host, port)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -93,8 +96,11 @@ async def serve(
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    if on_listen is not None:
+        on_listen(bound, lambda: loop.call_soon_threadsafe(stop.set))
 
     tasks = []
     try:

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(args) -> None:
+async def serve(args, on_listen=None) -> None:
     servicer = VerifierServicer(server.ModelWorker())
 
     async def load():
@@ -108,6 +108,7 @@ async def serve(args) -> None:
         service_names=[verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name],
         register=lambda s: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s),
         load=load,
+        on_listen=on_listen,
         background=[lambda: servicer.store.reap_forever()],
     )
 

@@ -23,7 +23,7 @@ def test_follows_the_resolved_drafter_set(tiny_cluster, tiny_pair, smol_tokenize
     dns_cluster.env.update(PYTHONPATH=f"{FAKE_DNS}:{dns_cluster.env.get('PYTHONPATH', '')}",
                            SPECDEC_TEST_DNS_TABLE=str(table))
     o = orchestrator(tiny_cluster.roles["verifier"], [], target_dir, "orchestrator-dns",
-                     extra=["--drafter-dns", f"{NAME}:50052", "--drafter-dns-interval", "0.2"])
+                     extra=["--drafter-dns", f"{NAME}:50052", "--drafter-refresh-interval", "0.2"])
     try:
         dns_cluster.start(o)
         stub = dns_cluster.orchestrator_stub(o)

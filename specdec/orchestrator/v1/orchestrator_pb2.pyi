@@ -121,3 +121,39 @@ class GenerateResponse(_message.Message):
     chunk: Chunk
     result: Result
     def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ...) -> None: ...
+
+class ScaleDraftersRequest(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: int
+    def __init__(self, replicas: _Optional[int] = ...) -> None: ...
+
+class ScaleDraftersResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: int
+    def __init__(self, replicas: _Optional[int] = ...) -> None: ...
+
+class ListDraftersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterReplica(_message.Message):
+    __slots__ = ("address", "sessions", "healthy")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    sessions: int
+    healthy: bool
+    def __init__(self, address: _Optional[str] = ..., sessions: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+
+class ListDraftersResponse(_message.Message):
+    __slots__ = ("replicas", "source", "last_scaling_decision")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SCALING_DECISION_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[DrafterReplica]
+    source: str
+    last_scaling_decision: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[DrafterReplica, _Mapping]]] = ..., source: _Optional[str] = ..., last_scaling_decision: _Optional[str] = ...) -> None: ...

@@ -144,3 +144,125 @@ class OrchestratorService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class OrchestratorAdminServiceStub:
+    """Operating the drafter pool: its replicas, and their number when Ray manages them.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ScaleDrafters = channel.unary_unary(
+                '/specdec.orchestrator.v1.OrchestratorAdminService/ScaleDrafters',
+                request_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDraftersRequest.SerializeToString,
+                response_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDraftersResponse.FromString,
+                _registered_method=True)
+        self.ListDrafters = channel.unary_unary(
+                '/specdec.orchestrator.v1.OrchestratorAdminService/ListDrafters',
+                request_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersRequest.SerializeToString,
+                response_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersResponse.FromString,
+                _registered_method=True)
+
+
+class OrchestratorAdminServiceServicer:
+    """Operating the drafter pool: its replicas, and their number when Ray manages them.
+    """
+
+    def ScaleDrafters(self, request, context):
+        """Sets the number of drafter replicas (drafters launched through Ray only;
+        FAILED_PRECONDITION otherwise). Removed replicas are drained: their sessions move
+        to another replica at their next round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDrafters(self, request, context):
+        """The drafter replicas the orchestrator uses now, with their load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_OrchestratorAdminServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ScaleDrafters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleDrafters,
+                    request_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDraftersRequest.FromString,
+                    response_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDraftersResponse.SerializeToString,
+            ),
+            'ListDrafters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDrafters,
+                    request_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersRequest.FromString,
+                    response_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'specdec.orchestrator.v1.OrchestratorAdminService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('specdec.orchestrator.v1.OrchestratorAdminService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class OrchestratorAdminService:
+    """Operating the drafter pool: its replicas, and their number when Ray manages them.
+    """
+
+    @staticmethod
+    def ScaleDrafters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.orchestrator.v1.OrchestratorAdminService/ScaleDrafters',
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDraftersRequest.SerializeToString,
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDraftersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDrafters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.orchestrator.v1.OrchestratorAdminService/ListDrafters',
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersRequest.SerializeToString,
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,1 @@
+"""Launchers of specdec deployments (Ray); the Kubernetes manifests live beside them."""

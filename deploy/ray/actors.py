@@ -1,0 +1,112 @@
+"""The Ray actors: one specdec service each, and the drafter controller."""
+
+import asyncio
+import importlib
+import logging
+import threading
+
+import ray
+
+from specdec import flags
+from specdec.launch import health_status
+
+log = logging.getLogger("specdec.ray")
+
+MODULES = {"verifier": "verifier_service.server", "drafter": "drafter_service.server",
+           "orchestrator": "orchestrator.server"}
+CONTROLLER = "specdec-drafter-controller"
+
+
+class ServiceActor:
+    """Hosts one service's gRPC server (its own `serve`, on a thread of the actor's
+    process) and reports where it listens. On a cluster it binds all interfaces and
+    reports the node's address; on one machine it stays on loopback."""
+
+    def __init__(self, service: str, argv: list[str]):
+        module = importlib.import_module(MODULES[service])
+        args = module.build_parser().parse_args(argv)
+        flags.setup_logging(args.log_level, service)
+        self.error: BaseException | None = None
+        listening = threading.Event()
+
+        def on_listen(port, stop):
+            self.port, self._stop = port, stop
+            listening.set()
+
+        def run():
+            try:
+                asyncio.run(module.serve(args, on_listen))
+            except BaseException as err:  # reported by serving()
+                self.error = err
+                listening.set()
+
+        threading.Thread(target=run, name=f"specdec-{service}", daemon=True).start()
+        listening.wait()
+        if self.error is not None:
+            raise self.error
+        self.host = ray.util.get_node_ip_address() if args.host in ("0.0.0.0", "::") else args.host
+
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def serving(self) -> bool:
+        from grpc_health.v1 import health_pb2
+
+        if self.error is not None:
+            raise RuntimeError(f"the service failed: {self.error!r}")
+        return health_status(self.address()) == health_pb2.HealthCheckResponse.SERVING
+
+    def stop(self) -> None:
+        self._stop()
+
+
+class DrafterController:
+    """Owns the drafter replicas: starts and retires them, and tells the orchestrator
+    their current addresses (a replica Ray restarted listens on a new port)."""
+
+    def __init__(self, drafter_argv: list[str], num_cpus: float, num_gpus: float, drain_s: float):
+        self.drafter_argv, self.num_cpus, self.num_gpus, self.drain_s = drafter_argv, num_cpus, num_gpus, drain_s
+        self.replicas: list = []
+        self.started = 0
+        self.retiring: set[asyncio.Task] = set()
+
+    async def scale(self, replicas: int) -> int:
+        while len(self.replicas) < replicas:
+            self.started += 1
+            actor = ray.remote(ServiceActor).options(
+                name=f"specdec-drafter-{self.started}", num_cpus=self.num_cpus, num_gpus=self.num_gpus,
+                max_restarts=-1, max_task_retries=-1,
+            ).remote("drafter", self.drafter_argv)
+            self.replicas.append(actor)
+        while len(self.replicas) > replicas:
+            task = asyncio.ensure_future(self._retire(self.replicas.pop()))
+            self.retiring.add(task)
+            task.add_done_callback(self.retiring.discard)
+        log.info("drafter replicas: %d", len(self.replicas))
+        return len(self.replicas)
+
+    async def _retire(self, actor) -> None:
+        # Out of the set at once; stopped once the orchestrator has moved its sessions.
+        await asyncio.sleep(self.drain_s)
+        try:
+            await asyncio.wait_for(actor.stop.remote(), 10)
+            await asyncio.sleep(1.0)
+        except Exception:
+            pass
+        ray.kill(actor, no_restart=True)
+
+    async def drafter_addresses(self) -> list[str]:
+        """Addresses of the replicas that are serving now (one restarting is left out)."""
+
+        async def probe(actor):
+            try:
+                if await asyncio.wait_for(actor.serving.remote(), 5):
+                    return await asyncio.wait_for(actor.address.remote(), 5)
+            except Exception:
+                return None
+
+        return [a for a in await asyncio.gather(*(probe(r) for r in self.replicas)) if a]
+
+    async def replicas_now(self) -> list:
+        """The replicas' actor handles."""
+        return list(self.replicas)

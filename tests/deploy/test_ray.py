@@ -1,0 +1,140 @@
+"""specdec on a real local Ray instance: launch, scale drafters 1 -> 3 -> 1 under a
+steady stream of requests, and a drafter actor killed mid-request."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from cluster import generate, pb, reference  # noqa: E402
+from specdec.launch import free_port  # noqa: E402
+from specdec.orchestrator.v1 import orchestrator_pb2_grpc  # noqa: E402
+
+PROMPTS = ["The river", "Once there was a robot", "def sort(items):", "Monday, Tuesday,", "Dear friend,"]
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_pair):
+    from deploy.ray import launcher
+
+    ray.init(num_cpus=8, namespace=f"specdec-test-{free_port()}", include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    target_dir, draft_dir, _ = tiny_pair
+    started = time.monotonic()
+    d = launcher.up(str(target_dir), str(draft_dir), 1, port=free_port(), startup_timeout_s=180)
+    print(f"launched on Ray in {time.monotonic() - started:.1f} s")
+    yield d
+    d.down()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stubs(deployment):
+    channel = grpc.insecure_channel(deployment.address)
+    yield (orchestrator_pb2_grpc.OrchestratorServiceStub(channel),
+           orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel))
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_pair, smol_tokenizer):
+    model = tiny_pair[2]
+    cases = {}
+    for prompt in PROMPTS:
+        ids = smol_tokenizer(prompt)["input_ids"]
+        cases[prompt] = (ids, reference(model, ids, 60))
+    return cases
+
+
+def wait_for_drafters(admin, n: int, timeout_s: float = 90) -> float:
+    started = time.monotonic()
+    while len(admin.ListDrafters(pb.ListDraftersRequest(), timeout=5).replicas) != n:
+        assert time.monotonic() - started < timeout_s, f"the orchestrator never saw {n} drafters"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def test_generate_through_ray_matches_target(stubs, expected):
+    stub, admin = stubs
+    for ids, want in expected.values():
+        _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60, num_speculative_tokens=4)
+        assert list(result.token_ids) == want
+    listing = admin.ListDrafters(pb.ListDraftersRequest())
+    assert listing.source == "ray" and len(listing.replicas) == 1
+
+
+def test_scale_drafters_under_load(stubs, expected):
+    stub, admin = stubs
+    stop, results, errors = threading.Event(), [], []
+
+    def client(i):
+        while not stop.is_set():
+            ids, want = expected[PROMPTS[i % len(PROMPTS)]]
+            try:
+                _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60)
+                results.append(list(result.token_ids) == want)
+            except grpc.RpcError as err:
+                errors.append(err)
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1)
+        assert admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=3)).replicas == 3
+        print(f"1 -> 3 drafters seen by the orchestrator in {wait_for_drafters(admin, 3):.1f} s")
+        time.sleep(2)
+        assert admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=1)).replicas == 1
+        print(f"3 -> 1 drafters seen by the orchestrator in {wait_for_drafters(admin, 1):.1f} s")
+        time.sleep(5)  # past the drain: the removed replicas are stopped under load
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    assert len(results) >= 10 and all(results), (len(results), results.count(False))
+
+
+def test_killed_drafter_actor_comes_back(deployment, stubs, expected, tiny_pair, smol_tokenizer):
+    stub, admin = stubs
+    wait_for_drafters(admin, 1)
+    (replica,) = deployment.drafters()
+    (before,) = deployment.drafter_addresses()
+    ids = smol_tokenizer(PROMPTS[0] + " flows to the sea and the sea")["input_ids"]
+    want = reference(tiny_pair[2], ids, 600)
+    events = iter(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=600),
+                                timeout=120))
+    tokens = list(next(events).chunk.token_ids)
+    ray.kill(replica, no_restart=False)  # Ray restarts it (max_restarts)
+    for event in events:
+        if event.HasField("chunk"):
+            tokens.extend(event.chunk.token_ids)
+        else:
+            result = event.result
+    assert tokens == list(result.token_ids) == want
+    # The replica is back, on a new port, and the orchestrator follows it.
+    deadline = time.monotonic() + 90
+    while True:
+        addresses = deployment.drafter_addresses()
+        listed = [r.address for r in admin.ListDrafters(pb.ListDraftersRequest()).replicas]
+        if addresses and addresses[0] != before and listed == addresses:
+            break
+        assert time.monotonic() < deadline, (before, addresses, listed)
+        time.sleep(0.5)
+    _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=40, num_speculative_tokens=4)
+    assert list(result.token_ids) == want[:40] and result.stats.accepted_tokens > 0
+
+
+def test_cli_lists_and_scales(deployment):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "specdec", "ray", *a, "--orchestrator",
+                                     deployment.address], capture_output=True, text=True, timeout=60)
+    done = run("scale-drafters", "2")
+    assert done.returncode == 0 and "drafter replicas: 2" in done.stdout, done.stderr
+    done = run("drafters")
+    assert done.returncode == 0 and "(ray)" in done.stdout
