@@ -1,11 +1,13 @@
 """Drafter autoscaling from the load the orchestrator measures: requests paired with a
-drafter. Grows the pool when replicas carry more than the target load, shrinks it when
-they are idle; never more often than once per cool-down."""
+drafter. Grows the pool as soon as replicas carry more than the target load; shrinks it
+only to the highest size wanted over the last cool-down (so a momentary dip between
+requests does not drop replicas), and changes it at most once per cool-down."""
 
 import asyncio
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from orchestrator.pool import DrafterPool
@@ -31,22 +33,27 @@ class Policy:
 
 
 class Autoscaler:
-    def __init__(self, policy: Policy, pool: DrafterPool, source, interval_s: float = 2.0):
+    def __init__(self, policy: Policy, pool: DrafterPool, source, interval_s: float = 1.0):
         self.policy, self.pool, self.source, self.interval_s = policy, pool, source, interval_s
+        self.target = len(pool.replicas)  # the size last asked for (replicas may still be starting)
+        self.wanted: deque[tuple[float, int]] = deque()  # (time, desired) over the last cool-down
         self.last_change = -math.inf
         self.last_decision = ""
 
-    async def step(self) -> None:
+    async def step(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         sessions = sum(r.sessions for r in self.pool.replicas.values())
-        current = len(self.pool.replicas)
-        want = self.policy.desired(sessions)
-        if want == current or time.monotonic() - self.last_change < self.policy.cooldown_s:
+        self.wanted.append((now, self.policy.desired(sessions)))
+        while self.wanted[0][0] < now - self.policy.cooldown_s:
+            self.wanted.popleft()
+        want = max(d for _, d in self.wanted)
+        if want == self.target or now - self.last_change < self.policy.cooldown_s:
             return
-        self.last_decision = (f"{time.strftime('%H:%M:%S')} {current} -> {want} drafters: {sessions} sessions, "
+        self.last_decision = (f"{time.strftime('%H:%M:%S')} {self.target} -> {want} drafters: {sessions} sessions, "
                               f"target {self.policy.target_sessions:g} per replica")
         log.info("autoscale: %s", self.last_decision)
-        self.last_change = time.monotonic()
-        await self.source.scale(want)
+        self.last_change = now
+        self.target = await self.source.scale(want)
 
     async def run(self) -> None:
         while True:

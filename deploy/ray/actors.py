@@ -14,7 +14,6 @@ log = logging.getLogger("specdec.ray")
 
 MODULES = {"verifier": "verifier_service.server", "drafter": "drafter_service.server",
            "orchestrator": "orchestrator.server"}
-CONTROLLER = "specdec-drafter-controller"
 
 
 class ServiceActor:
@@ -64,7 +63,8 @@ class DrafterController:
     """Owns the drafter replicas: starts and retires them, and tells the orchestrator
     their current addresses (a replica Ray restarted listens on a new port)."""
 
-    def __init__(self, drafter_argv: list[str], num_cpus: float, num_gpus: float, drain_s: float):
+    def __init__(self, name: str, drafter_argv: list[str], num_cpus: float, num_gpus: float, drain_s: float):
+        self.name = name
         self.drafter_argv, self.num_cpus, self.num_gpus, self.drain_s = drafter_argv, num_cpus, num_gpus, drain_s
         self.replicas: list = []
         self.started = 0
@@ -74,7 +74,7 @@ class DrafterController:
         while len(self.replicas) < replicas:
             self.started += 1
             actor = ray.remote(ServiceActor).options(
-                name=f"specdec-drafter-{self.started}", num_cpus=self.num_cpus, num_gpus=self.num_gpus,
+                name=f"{self.name}-drafter-{self.started}", num_cpus=self.num_cpus, num_gpus=self.num_gpus,
                 max_restarts=-1, max_task_retries=-1,
             ).remote("drafter", self.drafter_argv)
             self.replicas.append(actor)

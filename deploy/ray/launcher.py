@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import ray
 
-from deploy.ray.actors import CONTROLLER, DrafterController, ServiceActor
+from deploy.ray.actors import DrafterController, ServiceActor
 from specdec.launch import free_port
 
 log = logging.getLogger("specdec.ray")
@@ -54,9 +54,12 @@ def up(target: str, draft: str = "ngram", num_drafters: int = 1, *, port: int = 
        address: str | None = None, namespace: str = "specdec", verifier_gpus: str | float = "auto",
        verifier_cpus: float = 1, drafter_cpus: float = 1, orchestrator_cpus: float = 1,
        dtype: str = "float32", refresh_s: float = 0.5, drain_s: float = 3.0,
-       autoscale: dict | None = None, orchestrator_resources: dict | None = None,
+       autoscale: dict | None = None, name: str = "specdec",
        startup_timeout_s: float = 600) -> RayDeployment:
-    """Starts the deployment and returns once every service is serving.
+    """Starts the deployment and returns once every service is serving. Its actors are
+    named `{name}-verifier`, `{name}-drafter-controller`, `{name}-drafter-<i>`,
+    `{name}-orchestrator`; on a cluster the orchestrator runs on the head node (where
+    a Kubernetes Service can reach it).
 
     autoscale: {"min": 1, "max": 4, "target_sessions": 4, "cooldown_s": 30} turns the
     orchestrator's drafter autoscaler on."""
@@ -75,17 +78,18 @@ def up(target: str, draft: str = "ngram", num_drafters: int = 1, *, port: int = 
     # The verifier keeps its port across a restart: the orchestrator holds its address.
     verifier_port = 50053 if on_cluster else free_port()
     verifier = ray.remote(ServiceActor).options(
-        name="specdec-verifier", num_cpus=verifier_cpus, num_gpus=verifier_gpus, max_restarts=3,
+        name=f"{name}-verifier", num_cpus=verifier_cpus, num_gpus=verifier_gpus, max_restarts=3,
     ).remote("verifier", ["--host", host, "--port", str(verifier_port), "--model", target, "--dtype", dtype,
                           "--device", device])
     proposer = ["--proposer", "ngram"] if draft == "ngram" else ["--proposer", "model", "--model", draft]
-    controller = ray.remote(DrafterController).options(name=CONTROLLER, num_cpus=0, max_restarts=3).remote(
-        ["--host", host, "--port", "0", *proposer], drafter_cpus, 0, drain_s)
+    controller_name = f"{name}-drafter-controller"
+    controller = ray.remote(DrafterController).options(name=controller_name, num_cpus=0, max_restarts=3).remote(
+        name, ["--host", host, "--port", "0", *proposer], drafter_cpus, 0, drain_s)
     ray.get(controller.scale.remote(num_drafters))
 
     verifier_address = ray.get(verifier.address.remote())
     argv = ["--host", host, "--port", str(port), "--verifier", verifier_address, "--tokenizer", target,
-            "--drafter-ray", CONTROLLER, "--ray-namespace", namespace,
+            "--drafter-ray", controller_name, "--ray-namespace", namespace,
             "--drafter-refresh-interval", str(refresh_s)]
     if autoscale:
         argv += ["--autoscale", "--autoscale-min-replicas", str(autoscale.get("min", 1)),
@@ -93,8 +97,8 @@ def up(target: str, draft: str = "ngram", num_drafters: int = 1, *, port: int = 
                  "--autoscale-target-sessions", str(autoscale.get("target_sessions", 4)),
                  "--autoscale-cooldown", str(autoscale.get("cooldown_s", 30))]
     orchestrator = ray.remote(ServiceActor).options(
-        name="specdec-orchestrator", num_cpus=orchestrator_cpus, max_restarts=3,
-        resources=orchestrator_resources or {},
+        name=f"{name}-orchestrator", num_cpus=orchestrator_cpus, max_restarts=3,
+        resources={"node:__internal_head__": 0.001} if on_cluster else {},
     ).remote("orchestrator", argv)
     wait_serving({"verifier": verifier, "orchestrator": orchestrator}, startup_timeout_s)
     return RayDeployment(verifier, controller, orchestrator, ray.get(orchestrator.address.remote()))

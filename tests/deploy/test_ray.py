@@ -138,3 +138,42 @@ def test_cli_lists_and_scales(deployment):
     assert done.returncode == 0 and "drafter replicas: 2" in done.stdout, done.stderr
     done = run("drafters")
     assert done.returncode == 0 and "(ray)" in done.stdout
+
+
+def test_autoscaler_grows_and_shrinks_the_pool(deployment, tiny_pair, expected):
+    """A second deployment with the autoscaler on: three concurrent requests at one
+    session per replica grow the pool to three; idle, it shrinks back to one."""
+    from deploy.ray import launcher
+
+    target_dir, draft_dir, _ = tiny_pair
+    scaled = launcher.up(str(target_dir), str(draft_dir), 1, port=free_port(), name="autoscaled",
+                         autoscale={"min": 1, "max": 3, "target_sessions": 1, "cooldown_s": 5})
+    channel = grpc.insecure_channel(scaled.address)
+    stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+    admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel)
+    try:
+        ids, want = expected[PROMPTS[1]]
+        stop, outcomes = threading.Event(), []
+
+        def client():
+            while not stop.is_set():
+                _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60)
+                outcomes.append(list(result.token_ids) == want)
+
+        threads = [threading.Thread(target=client) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            wait_for_drafters(admin, 3, timeout_s=120)
+            grown = admin.ListDrafters(pb.ListDraftersRequest()).last_scaling_decision
+            assert "-> 3 drafters" in grown, grown
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        wait_for_drafters(admin, 1, timeout_s=120)
+        assert "3 -> 1 drafters: 0 sessions" in admin.ListDrafters(pb.ListDraftersRequest()).last_scaling_decision
+        assert outcomes and all(outcomes)
+    finally:
+        channel.close()
+        scaled.down()
