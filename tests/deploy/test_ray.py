@@ -22,7 +22,8 @@ PROMPTS = ["The river", "Once there was a robot", "def sort(items):", "Monday, T
 def deployment(tiny_pair):
     from deploy.ray import launcher
 
-    ray.init(num_cpus=8, namespace=f"specdec-test-{free_port()}", include_dashboard=False, log_to_driver=False,
+    # Logical CPUs: two deployments of up to 3 drafters each must fit (the machine has 2 cores).
+    ray.init(num_cpus=16, namespace=f"specdec-test-{free_port()}", include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     target_dir, draft_dir, _ = tiny_pair
     started = time.monotonic()
