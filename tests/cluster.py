@@ -83,6 +83,28 @@ def generate(stub, timeout=120, **fields) -> tuple[list[pb.Chunk], pb.Result]:
     return chunks, result
 
 
+class Stream:
+    """A Generate call read in two steps: its first chunk now, the rest by `finish`
+    (so a test can break something in between)."""
+
+    def __init__(self, stub, timeout=120, **fields):
+        self.call = stub.Generate(pb.GenerateRequest(**fields), timeout=timeout)
+        self.events = iter(self.call)
+        first = next(self.events)
+        assert first.HasField("chunk")
+        self.tokens = list(first.chunk.token_ids)
+
+    def finish(self) -> pb.Result:
+        result = None
+        for event in self.events:
+            if event.HasField("chunk"):
+                self.tokens.extend(event.chunk.token_ids)
+            else:
+                result = event.result
+        assert result is not None and list(result.token_ids) == self.tokens
+        return result
+
+
 def reference(model, ids: list[int], max_new: int) -> list[int]:
     """The target alone: transformers' greedy generate."""
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -90,4 +112,4 @@ def reference(model, ids: list[int], max_new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-__all__ = ["Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2", "reference"]
+__all__ = ["Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2", "reference", "Stream"]

@@ -11,7 +11,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster import generate, pb, reference  # noqa: E402
+from cluster import Stream, generate, pb, reference  # noqa: E402
 from specdec.launch import free_port  # noqa: E402
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc  # noqa: E402
 
@@ -109,16 +109,9 @@ def test_killed_drafter_actor_comes_back(deployment, stubs, expected, tiny_pair,
     (before,) = deployment.drafter_addresses()
     ids = smol_tokenizer(PROMPTS[0] + " flows to the sea and the sea")["input_ids"]
     want = reference(tiny_pair[2], ids, 600)
-    events = iter(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=600),
-                                timeout=120))
-    tokens = list(next(events).chunk.token_ids)
+    stream = Stream(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=600)
     ray.kill(replica, no_restart=False)  # Ray restarts it (max_restarts)
-    for event in events:
-        if event.HasField("chunk"):
-            tokens.extend(event.chunk.token_ids)
-        else:
-            result = event.result
-    assert tokens == list(result.token_ids) == want
+    assert list(stream.finish().token_ids) == want
     # The replica is back, on a new port, and the orchestrator follows it.
     deadline = time.monotonic() + 90
     while True:

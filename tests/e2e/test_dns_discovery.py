@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from cluster import Cluster, drafter, generate, orchestrator, pb, reference
+from cluster import Cluster, Stream, drafter, generate, orchestrator, pb, reference
 
 FAKE_DNS = Path(__file__).resolve().parents[1] / "fakedns"
 NAME = "specdec-drafter.test"
@@ -30,20 +30,14 @@ def test_follows_the_resolved_drafter_set(tiny_cluster, tiny_pair, smol_tokenize
         ids = smol_tokenizer("A long time ago in a galaxy far, far away")["input_ids"]
         want = reference(model, ids, 600)
 
-        events = iter(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=600,
-                                                       num_speculative_tokens=4), timeout=120))
-        tokens = list(next(events).chunk.token_ids)
+        stream = Stream(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=600, num_speculative_tokens=4)
         # The headless Service now resolves to the other replica only...
         table.write_text(json.dumps({NAME: [second.address]}))
         time.sleep(1.0)
         # ...so the request has left the first one, which can go away unnoticed.
         tiny_cluster.kill(first)
-        for event in events:
-            if event.HasField("chunk"):
-                tokens.extend(event.chunk.token_ids)
-            else:
-                result = event.result
-        assert tokens == list(result.token_ids) == want
+        result = stream.finish()
+        assert list(result.token_ids) == want
         assert result.stats.drafter_failovers == 0  # it moved because of DNS, not because of the kill
         assert result.stats.accepted_tokens > 0
 

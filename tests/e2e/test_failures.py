@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from cluster import drafter, drafter_pb2, generate, orchestrator, pb, reference, verifier, verifier_pb2
+from cluster import Stream, drafter, drafter_pb2, generate, orchestrator, pb, reference, verifier, verifier_pb2
 
 PROMPT = "In the beginning the universe was created. This has made a lot of people very angry"
 LONG = 600
@@ -18,26 +18,6 @@ def long_case(tiny_pair, smol_tokenizer):
     want = reference(tiny_pair[2], ids, LONG)
     assert len(want) == LONG  # no early EOS: the request runs long enough to be interrupted
     return ids, want
-
-
-def stream_until_first_chunk(stub, **fields):
-    call = stub.Generate(pb.GenerateRequest(**fields), timeout=120)
-    events = iter(call)
-    first = next(events)
-    assert first.HasField("chunk")
-    return call, first, events
-
-
-def finish(first, events) -> pb.Result:
-    tokens = list(first.chunk.token_ids)
-    result = None
-    for event in events:
-        if event.HasField("chunk"):
-            tokens.extend(event.chunk.token_ids)
-        else:
-            result = event.result
-    assert list(result.token_ids) == tokens
-    return result
 
 
 def session_was_released(cluster, service, session_id: str) -> bool:
@@ -53,14 +33,14 @@ def test_lost_sessions_resync_and_output_is_unchanged(tiny_cluster, long_case):
     ids, want = long_case
     roles = tiny_cluster.roles
     stub = tiny_cluster.orchestrator_stub(roles["model"])
-    call, first, events = stream_until_first_chunk(stub, request_id="lost-1", token_ids=pb.TokenIds(ids=ids),
+    stream = Stream(stub, request_id="lost-1", token_ids=pb.TokenIds(ids=ids),
                                                    max_new_tokens=LONG, num_speculative_tokens=4)
     # Both services forget the session mid-request (as after a restart).
     assert tiny_cluster.drafter_stub(roles["model-drafter"]).CloseSession(
         drafter_pb2.CloseSessionRequest(session_id="lost-1")).closed
     assert tiny_cluster.verifier_stub(roles["verifier"]).CloseSession(
         verifier_pb2.CloseSessionRequest(session_id="lost-1")).closed
-    result = finish(first, events)
+    result = stream.finish()
     assert list(result.token_ids) == want
     assert result.stats.resyncs == 2
 
@@ -75,9 +55,9 @@ def test_sessions_released_after_finish(tiny_cluster):
 def test_sessions_released_after_client_cancel(tiny_cluster, long_case):
     roles = tiny_cluster.roles
     stub = tiny_cluster.orchestrator_stub(roles["model"])
-    call, _, _ = stream_until_first_chunk(stub, request_id="cancel-1", token_ids=pb.TokenIds(ids=long_case[0]),
+    stream = Stream(stub, request_id="cancel-1", token_ids=pb.TokenIds(ids=long_case[0]),
                                           max_new_tokens=LONG)
-    call.cancel()
+    stream.call.cancel()
     assert session_was_released(tiny_cluster, roles["model-drafter"], "cancel-1")
     assert session_was_released(tiny_cluster, roles["verifier"], "cancel-1")
     # The id is free again.
@@ -103,10 +83,10 @@ def test_killing_the_only_drafter_finishes_on_the_verifier_then_it_comes_back(ti
     o = orchestrator(tiny_cluster.roles["verifier"], [d], target_dir, "orchestrator-one-drafter")
     tiny_cluster.start(o)
     stub = tiny_cluster.orchestrator_stub(o)
-    call, first, events = stream_until_first_chunk(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG,
+    stream = Stream(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG,
                                                    num_speculative_tokens=4)
     tiny_cluster.kill(d)
-    result = finish(first, events)
+    result = stream.finish()
     assert list(result.token_ids) == want
     assert result.stats.drafter_failovers >= 1
     # A replica restarted on the same address is used again.
@@ -126,11 +106,11 @@ def test_failover_to_another_replica(tiny_cluster, tiny_pair, long_case):
     o = orchestrator(tiny_cluster.roles["verifier"], [first_replica, second_replica], target_dir,
                      "orchestrator-two-drafters")
     tiny_cluster.start(o)
-    call, first, events = stream_until_first_chunk(tiny_cluster.orchestrator_stub(o), request_id="failover-1",
+    stream = Stream(tiny_cluster.orchestrator_stub(o), request_id="failover-1",
                                                    token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG)
     # On a tie the pool pairs the request with the first replica listed: kill that one.
     tiny_cluster.kill(first_replica)
-    result = finish(first, events)
+    result = stream.finish()
     assert list(result.token_ids) == want
     assert result.stats.drafter_failovers == 1
     # The rest of the request was still drafted, by the other replica.
@@ -144,10 +124,10 @@ def test_verifier_loss_fails_the_request_and_releases_the_drafter_session(tiny_c
     tiny_cluster.start(v, d)
     o = orchestrator(v, [d], target_dir, "orchestrator-lost-verifier")
     tiny_cluster.start(o)
-    call, first, events = stream_until_first_chunk(tiny_cluster.orchestrator_stub(o), request_id="noverifier-1",
+    stream = Stream(tiny_cluster.orchestrator_stub(o), request_id="noverifier-1",
                                                    token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG)
     tiny_cluster.kill(v)
     with pytest.raises(grpc.RpcError) as err:
-        finish(first, events)
+        stream.finish()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert session_was_released(tiny_cluster, d, "noverifier-1")
