@@ -22,10 +22,10 @@ def generate(args) -> int:
         request.seed = args.seed
     if args.k is not None:
         request.num_speculative_tokens = args.k
-    started = time.monotonic()
     with grpc.insecure_channel(args.address) as channel:
         if args.wait:
             wait_until_serving(args.address, args.wait)
+        started = time.monotonic()
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
         try:
             for event in stub.Generate(request, wait_for_ready=bool(args.wait), timeout=args.timeout):
