@@ -32,7 +32,6 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("-k", type=int, default=4)
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     model, tokenizer = modeling.load_model(args.target)
     services = launch.plan(args.target, args.draft, 1, launch.free_port())
     launch.start(services)
