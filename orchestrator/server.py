@@ -129,9 +129,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             yield event
 
     async def Complete(self, request: pb.GenerateRequest, context):
-        async for event in self.generate(request, context):
+        result = None
+        async for event in self.generate(request, context):  # to the end: it releases the sessions
             if event.HasField("result"):
-                return event.result
+                result = event.result
+        return result
 
     async def generate(self, request: pb.GenerateRequest, context):
         try:

@@ -52,6 +52,14 @@ def test_sessions_released_after_finish(tiny_cluster):
     assert session_was_released(tiny_cluster, roles["verifier"], "fin-1")
 
 
+def test_sessions_released_after_complete(tiny_cluster):
+    roles = tiny_cluster.roles
+    stub = tiny_cluster.orchestrator_stub(roles["model"])
+    stub.Complete(pb.GenerateRequest(request_id="unary-1", text="Hello", max_new_tokens=8), timeout=60)
+    assert session_was_released(tiny_cluster, roles["model-drafter"], "unary-1")
+    assert session_was_released(tiny_cluster, roles["verifier"], "unary-1")
+
+
 def test_sessions_released_after_client_cancel(tiny_cluster, long_case):
     roles = tiny_cluster.roles
     stub = tiny_cluster.orchestrator_stub(roles["model"])
