@@ -43,7 +43,9 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
             session = self.store.get(request.session_id, request.start)
             async with session.lock:
                 seq = session.state
-                seq.sync(request.start, list(request.new_tokens))
+                # Every change to a session's cache runs on the model thread, in order: a
+                # cancelled call's last step may still be running there.
+                await self.worker.run(seq.sync, request.start, list(request.new_tokens))
                 k = min(k, self.info.max_positions - len(seq.tokens))
                 drafts = self.proposer.propose(seq, k, request.sampling)
                 while (draft := await self.worker.run(next, drafts, None)) is not None:
