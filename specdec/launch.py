@@ -37,7 +37,7 @@ class Service:
 
 
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
-         device: str = "cpu", extra_orchestrator: list[str] = ()) -> list[Service]:
+         device: str = "cpu") -> list[Service]:
     """The processes of one deployment; `draft` is "ngram" or a draft model."""
     python = [sys.executable, "-m"]
     verifier = Service("verifier", free_port(), [])
@@ -53,7 +53,7 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
     orchestrator = Service("orchestrator", port, [])
     orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port),
                          "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
-                         "--tokenizer", target, *extra_orchestrator]
+                         "--tokenizer", target]
     return [verifier, *drafters, orchestrator]
 
 

@@ -112,4 +112,20 @@ def reference(model, ids: list[int], max_new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-__all__ = ["Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2", "reference", "Stream"]
+def cases(model, tokenizer, prompts: list[str], max_new: int) -> dict[str, tuple[list[int], list[int]]]:
+    """prompt -> (its token ids, the target's greedy output)."""
+    out = {}
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        out[prompt] = (ids, reference(model, ids, max_new))
+    return out
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    """A one-message chat rendered with the model's chat template, as token ids."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+__all__ = ["Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2", "reference", "Stream", "cases", "chat_ids"]

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster import generate, pb, reference
+from cluster import chat_ids, generate, pb, reference
 from specdec import flags, modeling
 from specdec.launch import HOST, Service, free_port, stop, wait_serving
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
@@ -164,9 +164,7 @@ def test_cpu_overlay_commands_serve_generate(default_target):
         wait_serving(services, 300)
         model, tokenizer = default_target
         question = "Name a primary color."
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                             tokenize=False)
-        want = reference(model, tokenizer(text, add_special_tokens=False)["input_ids"], 16)
+        want = reference(model, chat_ids(tokenizer, question), 16)
         with grpc.insecure_channel(services[-1].address) as channel:
             _, result = generate(orchestrator_pb2_grpc.OrchestratorServiceStub(channel),
                                  chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),

@@ -11,7 +11,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster import Stream, generate, pb, reference  # noqa: E402
+from cluster import Stream, cases, generate, pb, reference  # noqa: E402
 from specdec.launch import free_port  # noqa: E402
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc  # noqa: E402
 
@@ -44,12 +44,7 @@ def stubs(deployment):
 
 @pytest.fixture(scope="module")
 def expected(tiny_pair, smol_tokenizer):
-    model = tiny_pair[2]
-    cases = {}
-    for prompt in PROMPTS:
-        ids = smol_tokenizer(prompt)["input_ids"]
-        cases[prompt] = (ids, reference(model, ids, 60))
-    return cases
+    return cases(tiny_pair[2], smol_tokenizer, PROMPTS, 60)
 
 
 def wait_for_drafters(admin, n: int, timeout_s: float = 90) -> float:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cluster import generate, pb, reference
+from cluster import chat_ids, generate, pb, reference
 from specdec import modeling
 from specdec.launch import free_port, health_status
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
@@ -37,12 +37,6 @@ def up():
 @pytest.fixture(scope="module")
 def target():
     return modeling.load_model(modeling.DEFAULT_TARGET)
-
-
-def chat_ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize("question", QUESTIONS)

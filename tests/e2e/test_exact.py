@@ -3,7 +3,7 @@ own `generate(do_sample=False)`, on CPU in fp32."""
 
 import pytest
 
-from cluster import generate, pb, reference
+from cluster import cases, generate, pb
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -16,15 +16,11 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def expected(tiny_pair, smol_tokenizer):
-    model = tiny_pair[2]
-    cases = {}
-    for prompt in PROMPTS:
-        ids = smol_tokenizer(prompt)["input_ids"]
-        cases[prompt] = (ids, reference(model, ids, MAX_NEW))
+    by_prompt = cases(tiny_pair[2], smol_tokenizer, PROMPTS, MAX_NEW)
     # A degenerate target proves nothing: its output must vary.
-    for ids, out in cases.values():
+    for ids, out in by_prompt.values():
         assert len(set(out)) > MAX_NEW // 4, out
-    return cases
+    return by_prompt
 
 
 @pytest.mark.parametrize("kind", ["model", "ngram"])
