@@ -31,11 +31,17 @@ class Proposer(abc.ABC):
 class ModelProposer(Proposer):
     """A small causal LM. Greedy drafting sends token ids only; sampled drafting samples
     from the top `max_support` tokens of q and sends exactly that sparse distribution,
-    so what crosses the network is the distribution actually used."""
+    so what crosses the network is the distribution actually used. A model whose output
+    head was cut to a draft vocabulary (`output_ids`: the token id of each logit) drafts
+    from that vocabulary only; q is zero elsewhere, which the verifier's rule allows."""
 
-    def __init__(self, model, tokenizer, name: str, max_support: int = 64):
+    def __init__(self, model, tokenizer, name: str, max_support: int = 64,
+                 output_ids: torch.Tensor | None = None):
         self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.max_support = max_support
+        self.max_support, self.output_ids = max_support, output_ids
+
+    def _token(self, index: torch.Tensor):
+        return index if self.output_ids is None else self.output_ids[index]
 
     def info(self) -> common_pb2.ModelInfo:
         return modeling.model_info(self.model, self.tokenizer, self.name, "model")
@@ -48,13 +54,14 @@ class ModelProposer(Proposer):
         for _ in range(k):
             logits = seq.logits(1)[0]  # [vocab]
             if sampling.is_greedy(params):
-                token, q = int(logits.argmax()), None
+                token, q = int(self._token(logits.argmax())), None
             else:
                 p = sampling.probs(logits, params)
                 support = torch.topk(p, min(self.max_support, int((p > 0).sum())))
                 q_probs = support.values / support.values.sum()
-                token = int(support.indices[draws.sample(q_probs, len(seq.tokens))])
-                q = common_pb2.SparseDistribution(token_ids=support.indices.tolist(), probs=q_probs.tolist())
+                support_ids = self._token(support.indices)
+                token = int(support_ids[draws.sample(q_probs, len(seq.tokens))])
+                q = common_pb2.SparseDistribution(token_ids=support_ids.tolist(), probs=q_probs.tolist())
             seq.extend([token])
             yield token, q
 

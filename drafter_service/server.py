@@ -78,7 +78,8 @@ def make_proposer(args) -> Proposer:
     if not args.model:
         raise SystemExit("--proposer model needs --model")
     model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
-    return ModelProposer(model, tokenizer, args.model, args.max_draft_support)
+    output_ids = modeling.restrict_output(model, args.model)
+    return ModelProposer(model, tokenizer, args.model, args.max_draft_support, output_ids)
 
 
 async def serve(args, on_listen=None) -> None:

@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (rs, rl):
         flags.add(p, "--orchestrator", env="SPECDEC_ADDRESS", default="127.0.0.1:50051",
                   help="the orchestrator's host:port")
+
+    from specdec import bench
+
+    bench.build_parser(sub.add_parser("bench", help="target alone vs assisted vs specdec, side by side",
+                                      description=bench.__doc__,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -173,4 +179,8 @@ def main(argv=None) -> None:
         raise SystemExit(up(args))
     if args.command == "ray":
         raise SystemExit(ray_command(args))
+    if args.command == "bench":
+        from specdec import bench
+
+        raise SystemExit(bench.main_with(args))
     raise SystemExit(generate(args))

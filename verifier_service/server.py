@@ -15,7 +15,7 @@ from specdec.kv import CachedSequence
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier_service.acceptance import accept_greedy, accept_sampled, dense_q
+from verifier_service.acceptance import verify
 
 log = logging.getLogger("verifier")
 
@@ -59,24 +59,10 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                          self.info)
             session = self.store.get(request.session_id, request.start)
             async with session.lock:
-                a, t = await self.worker.run(self.verify, session.state, request)
+                a, t = await self.worker.run(verify, session.state, request)
             return verifier_pb2.VerifyResponse(num_accepted=a, next_token=t)
         except ServiceError as err:
             await abort(context, err)
-
-    def verify(self, seq: CachedSequence, request: verifier_pb2.VerifyRequest) -> tuple[int, int]:
-        seq.sync(request.start, list(request.new_tokens))
-        n = len(seq.tokens)  # committed length: drafts start here
-        drafts = list(request.draft_tokens)
-        seq.extend(drafts)
-        logits = seq.logits(len(drafts) + 1)  # [K+1, vocab]: one pass over new tokens + drafts
-        params = request.sampling
-        if sampling.is_greedy(params):
-            return accept_greedy(logits.argmax(dim=-1).tolist(), drafts)
-        p = sampling.probs(logits, params)
-        q = dense_q(list(request.draft_probs), drafts, p.shape[-1])
-        return accept_sampled(p, q, drafts, n, sampling.Draws(params.seed, "accept"),
-                              sampling.Draws(params.seed, "target"))
 
 
 def build_parser() -> argparse.ArgumentParser:

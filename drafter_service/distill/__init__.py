@@ -1,0 +1,1 @@
+"""Distilling the default draft model from the default target (see train.py)."""

@@ -1,0 +1,170 @@
+"""Distillation data: the target's next-token distributions (top-k of its logits) at
+every position we train on, from two sources.
+
+- chat: the target answers the training prompts (batched `generate`, half greedy, half
+  sampled at temperature 0.8); its logits at each generated step come with the answer.
+- text: teacher-forced passes of the target over text that is installed here (package
+  documentation and the Python reference), which give a distribution per position at a
+  fraction of generation's cost.
+
+Each stage appends shards to a work directory and stops after its time budget, so a run
+can be stopped and resumed."""
+
+import glob
+import logging
+import os
+import random
+import site
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from drafter_service.distill import prompts as prompt_sets
+
+log = logging.getLogger(__name__)
+
+TOP_K = 20  # teacher logits kept per position; the rest of the mass is dropped
+
+
+def _top(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k token ids and their log-probabilities under the full softmax."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, TOP_K, dim=-1)
+    return top.indices.to(torch.int32), top.values.to(torch.float16)
+
+
+def _shards(work: Path, kind: str) -> list[Path]:
+    return sorted(work.glob(f"{kind}-*.pt"))
+
+
+def _save(work: Path, kind: str, records: list[dict]) -> None:
+    index = len(_shards(work, kind))
+    partial = work / f"{kind}-{index:05d}.pt.partial"
+    torch.save(records, partial)
+    partial.rename(work / f"{kind}-{index:05d}.pt")
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)
+
+
+def generate_chat(model, tokenizer, work: Path, minutes: float, seed: int,
+                  batch_size: int = 48, max_new_tokens: int = 128, progress=None) -> None:
+    """Target answers to training prompts, with the target's top-k at every answer token."""
+    prompts = prompt_sets.training_prompts(seed)
+    done = sum(len(torch.load(s)) for s in _shards(work, "chat"))
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    deadline = time.monotonic() + minutes * 60
+    batch_index = done // batch_size
+    while time.monotonic() < deadline and done < len(prompts):
+        batch = prompts[done:done + batch_size]
+        ids = [chat_ids(tokenizer, p) for p in batch]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        sampled = batch_index % 2 == 1
+        torch.manual_seed(seed * 100003 + batch_index)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                do_sample=sampled, temperature=0.8 if sampled else None, top_p=0.95 if sampled else None,
+                top_k=None, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+        logits = torch.stack(out.logits, dim=1)  # [batch, steps, vocab]
+        top_ids, top_lp = _top(logits)
+        records, tokens = [], 0
+        for row, prompt_ids in enumerate(ids):
+            answer = out.sequences[row, width:].tolist()
+            n = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
+            records.append({"tokens": prompt_ids + answer[:n], "start": len(prompt_ids),
+                            "top_ids": top_ids[row, :n].clone(), "top_lp": top_lp[row, :n].clone(),
+                            "sampled": sampled})
+            tokens += n
+        _save(work, "chat", records)
+        done += len(batch)
+        batch_index += 1
+        if progress is not None:
+            progress.update(tokens)
+        log.info("chat: %d prompts answered, %d tokens in this batch (%s)", done, tokens,
+                 "sampled" if sampled else "greedy")
+
+
+def installed_text() -> list[str]:
+    """Permissively licensed prose and code that ships with the installed packages:
+    package descriptions (their READMEs) and the Python language reference topics."""
+    texts = []
+    roots = site.getsitepackages() + [site.getusersitepackages()]
+    for root in roots:
+        for path in sorted(glob.glob(os.path.join(root, "*.dist-info", "METADATA"))):
+            body = Path(path).read_text(errors="ignore").split("\n\n", 1)[-1]
+            if len(body) > 500:
+                texts.append(body)
+    try:
+        from pydoc_data import topics
+        texts += list(topics.topics.values())
+    except ImportError:
+        pass
+    return texts
+
+
+def teacher_text(model, tokenizer, work: Path, minutes: float, seed: int,
+                 window: int = 256, batch_size: int = 8, progress=None) -> None:
+    """The target's top-k at every position of installed text, in windows."""
+    texts = installed_text()
+    random.Random(seed).shuffle(texts)
+    stream = []
+    for text in texts:
+        stream += tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    windows = [stream[i:i + window] for i in range(0, len(stream) - window, window)]
+    done = sum(len(torch.load(s)) for s in _shards(work, "text"))
+    log.info("text: %d windows of %d tokens available, %d done", len(windows), window, done)
+    deadline = time.monotonic() + minutes * 60
+    while time.monotonic() < deadline and done < len(windows):
+        batch = torch.tensor(windows[done:done + batch_size])
+        with torch.inference_mode():
+            logits = model(batch).logits
+        top_ids, top_lp = _top(logits[:, :-1])  # position i predicts token i + 1
+        _save(work, "text", [{"tokens": batch[r].tolist(), "start": 1, "top_ids": top_ids[r],
+                              "top_lp": top_lp[r], "sampled": False} for r in range(len(batch))])
+        done += len(batch)
+        if progress is not None:
+            progress.update(batch.numel())
+
+
+def load(work: Path, kind: str) -> list[dict]:
+    records = []
+    for shard in _shards(work, kind):
+        records += torch.load(shard)
+    return records
+
+
+def main(argv=None):
+    import argparse
+
+    from tqdm import tqdm
+
+    from specdec import modeling
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
+    parser.add_argument("--chat-minutes", type=float, default=20)
+    parser.add_argument("--text-minutes", type=float, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    args.work.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = modeling.load_model(args.target)
+    with tqdm(desc="chat tokens", unit="tok", mininterval=30) as bar:
+        generate_chat(model, tokenizer, args.work, args.chat_minutes, args.seed, progress=bar)
+    with tqdm(desc="text tokens", unit="tok", mininterval=30) as bar:
+        teacher_text(model, tokenizer, args.work, args.text_minutes, args.seed, progress=bar)
+
+
+if __name__ == "__main__":
+    main()
