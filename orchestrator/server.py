@@ -20,6 +20,7 @@ from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from orchestrator import discovery
 from orchestrator.autoscale import Autoscaler, Policy
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair, wait_for_info
+from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
 from orchestrator.speculation import DrafterLink, Stats, VerifierLink, speculate
 from orchestrator.text import TextStream
 
@@ -36,6 +37,7 @@ class Limits:
     max_new_tokens: int
     default_k: int
     max_k: int
+    adaptive_max_k: int
     max_concurrent_requests: int
     drafter_timeout_s: float
     verifier_timeout_s: float
@@ -47,7 +49,7 @@ class Request:
     id: str
     prompt: list[int]
     max_new_tokens: int
-    k: int
+    k: int | None  # None: chosen per round
     params: common_pb2.SamplingParams
     stop: list[str]
 
@@ -55,6 +57,7 @@ class Request:
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def __init__(self, limits: Limits):
         self.limits = limits
+        self.costs = RoundCosts()  # what rounds cost here, learnt from every request
         self.tokenizer = None
         self.in_flight: set[str] = set()
         self.closing: set[asyncio.Task] = set()
@@ -84,8 +87,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
         if r.top_k < 0:
             raise InvalidArgument("top_k", f"must be >= 0, got {r.top_k}")
-        k = r.num_speculative_tokens if r.HasField("num_speculative_tokens") else limits.default_k
-        if not 0 <= k <= limits.max_k:
+        k = r.num_speculative_tokens if r.HasField("num_speculative_tokens") else None  # None: adaptive
+        if k is not None and not 0 <= k <= limits.max_k:
             raise InvalidArgument("num_speculative_tokens", f"must be in [0, {limits.max_k}], got {k}")
         if len(r.stop) > MAX_STOP_STRINGS or any(not s for s in r.stop):
             raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
@@ -147,15 +150,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 raise InvalidArgument("request_id", f"{req.id!r} is already in flight")
         except ServiceError as err:
             await abort(context, err)
-        log.info("[%s] start: %d prompt tokens, max_new_tokens=%d, K=%d, temperature=%g",
-                 req.id, len(req.prompt), req.max_new_tokens, req.k, req.params.temperature)
+        log.info("[%s] start: %d prompt tokens, max_new_tokens=%d, K=%s, temperature=%g",
+                 req.id, len(req.prompt), req.max_new_tokens, "adaptive" if req.k is None else req.k,
+                 req.params.temperature)
         self.in_flight.add(req.id)
         stats = Stats()
         verifier = VerifierLink(self.verifier, req.id, req.params, stats, self.limits.verifier_timeout_s)
         drafter = DrafterLink(self.pool, req.id, req.params, stats, self.limits.drafter_timeout_s)
         text = TextStream(self.tokenizer, req.stop)
         try:
-            async for new in speculate(req.prompt, req.max_new_tokens, req.k, self.eos, drafter, verifier, stats):
+            policy = FixedK(req.k) if req.k is not None else AdaptiveK(
+                self.costs, self.limits.adaptive_max_k, self.limits.default_k)
+            async for new in speculate(req.prompt, req.max_new_tokens, policy, self.eos, drafter, verifier, stats):
                 ids, delta = text.add(new)
                 yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=delta))
                 if text.stop_hit is not None:
@@ -282,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--tokenizer", env="SPECDEC_ORCHESTRATOR_TOKENIZER", default=modeling.DEFAULT_TARGET,
         help="the target's tokenizer (a model directory, hub id or .gguf file)")
     add(parser, "--num-speculative-tokens", env="SPECDEC_NUM_SPECULATIVE_TOKENS", type=int, default=4,
-        help="default draft tokens per round (K)")
+        help="K to start from for a request that sets none; its K then adapts per round")
+    add(parser, "--adaptive-max-speculative-tokens", env="SPECDEC_ADAPTIVE_MAX_SPECULATIVE_TOKENS", type=int,
+        default=8, help="largest K the per-round choice considers")
     add(parser, "--max-speculative-tokens", env="SPECDEC_MAX_SPECULATIVE_TOKENS", type=int, default=16,
         help="largest K a request may ask for")
     add(parser, "--default-max-new-tokens", env="SPECDEC_DEFAULT_MAX_NEW_TOKENS", type=int, default=256,
@@ -302,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(args, on_listen=None) -> None:
     limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
-                    args.max_speculative_tokens, args.max_concurrent_requests, args.drafter_timeout,
+                    args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests, args.drafter_timeout,
                     args.verifier_timeout)
     servicer = OrchestratorServicer(limits)
     admin = AdminServicer()

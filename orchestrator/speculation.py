@@ -7,6 +7,7 @@ again (a resync: one prefill, never a wrong token)."""
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -15,6 +16,7 @@ import grpc
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.pool import DrafterPool, Replica
 
 log = logging.getLogger("orchestrator")
@@ -151,22 +153,27 @@ class DrafterLink:
 async def speculate(
     prompt: list[int],
     max_new_tokens: int,
-    k: int,
+    k: int | FixedK | AdaptiveK,
     eos: set[int],
     drafter: DrafterLink,
     verifier: VerifierLink,
     stats: Stats,
 ) -> AsyncIterator[list[int]]:
     """Yields the tokens committed by each round until max_new_tokens or an EOS token."""
+    policy = FixedK(k) if isinstance(k, int) else k
     history = list(prompt)
     produced = 0
     while produced < max_new_tokens:
         # A round commits at most k + 1 tokens: never draft past the budget.
-        k_round = min(k, max_new_tokens - produced - 1)
+        k_round = min(policy.choose(), max_new_tokens - produced - 1)
         # 1. Propose: the drafter extends the history by k_round draft tokens.
+        started = time.perf_counter()
         drafts, qs = await drafter.propose(history, k_round) if k_round > 0 else ([], [])
+        drafted = time.perf_counter()
         # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
         accepted, next_token = await verifier.verify(history, drafts, qs)
+        policy.observe(len(drafts), accepted, drafted - started if drafts else None,
+                       time.perf_counter() - drafted)
         stats.record(len(drafts), accepted)
         # 3. Commit: the accepted drafts and the correction (or bonus) token.
         new = drafts[:accepted] + [next_token]

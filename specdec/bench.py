@@ -5,7 +5,8 @@ On one prompt set, in one run, interleaved per prompt:
   assisted     transformers' assisted generation with the same draft (its defaults)
   inprocess    our speculative round (the orchestrator's loop, the drafter's proposer,
                the verifier's acceptance) in this process, no gRPC
-  grpc         the full `specdec up` path: three processes over gRPC
+  grpc         the full `specdec up` path: three processes over gRPC, K fixed (-k)
+  adaptive     the same services, K chosen by the orchestrator each round
   ngram        `specdec up` with the prompt-lookup drafter (--ngram)
 
 Per variant: tokens/s (median and spread over prompts x repeats), time to first token,
@@ -41,7 +42,7 @@ from specdec.verifier.v1 import verifier_pb2
 log = logging.getLogger("bench")
 
 DEFAULT_PROMPTS = Path(__file__).parent / "bench_prompts.txt"
-VARIANTS = ("target", "assisted", "inprocess", "grpc", "ngram")
+VARIANTS = ("target", "assisted", "inprocess", "grpc", "adaptive", "ngram")
 
 
 @dataclass
@@ -135,9 +136,10 @@ def run_inprocess(index: int, target, proposer, ids: list[int], max_new_tokens: 
                stats.accepted_tokens, list(stats.accepted_per_position))
 
 
-def run_grpc(variant: str, index: int, stub, ids: list[int], max_new_tokens: int, k: int) -> Run:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=max_new_tokens,
-                                 num_speculative_tokens=k)
+def run_grpc(variant: str, index: int, stub, ids: list[int], max_new_tokens: int, k: int | None) -> Run:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=max_new_tokens)
+    if k is not None:  # None: the orchestrator chooses K per round
+        request.num_speculative_tokens = k
     tokens, arrivals, result = [], [], None
     started = time.perf_counter()
     for message in stub.Generate(request, timeout=1200):
@@ -219,9 +221,9 @@ def summarize(runs: list[Run], reference: dict[int, list[int]], k: int, costs: d
         if rounds:
             drafted = sum(r.draft_tokens for r in mine)
             accepted = sum(r.accepted_tokens for r in mine)
-            per_position = [0] * k
+            per_position = [0] * max(len(r.accepted_per_position) for r in mine)
             for r in mine:
-                for i, n in enumerate(r.accepted_per_position[:k]):
+                for i, n in enumerate(r.accepted_per_position):
                     per_position[i] += n
             row.update({
                 "rounds": rounds,
@@ -341,7 +343,7 @@ def run(args) -> dict:
     encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for p in prompts]
     deployments = {}
-    if "grpc" in variants:
+    if "grpc" in variants or "adaptive" in variants:
         deployments["grpc"] = launch.plan(args.target, args.draft, 1, launch.free_port(), args.dtype, device)
     if "ngram" in variants:
         deployments["ngram"] = launch.plan(args.target, "ngram", 1, launch.free_port(), args.dtype, device)
@@ -352,11 +354,13 @@ def run(args) -> dict:
             launch.wait_serving(services, 900)
         channels = {name: grpc.insecure_channel(services[-1].address) for name, services in deployments.items()}
         stubs = {name: orchestrator_pb2_grpc.OrchestratorServiceStub(ch) for name, ch in channels.items()}
+        if "grpc" in stubs:
+            stubs["adaptive"] = stubs["grpc"]
         with torch.inference_mode():
             warm = encoded[0][:16]  # first calls pay one-off costs: keep them out of the figures
             run_hf("target", -1, target, warm, 4)
             for name, stub in stubs.items():
-                run_grpc(name, -1, stub, warm, 4, args.k)
+                run_grpc(name, -1, stub, warm, 4, None if name == "adaptive" else args.k)
             runs = []
             for repeat in range(args.repeats):
                 for index, ids in enumerate(encoded):
@@ -368,7 +372,8 @@ def run(args) -> dict:
                         elif variant == "inprocess":
                             run = run_inprocess(index, target, proposer, ids, args.max_new_tokens, args.k, eos)
                         else:
-                            run = run_grpc(variant, index, stubs[variant], ids, args.max_new_tokens, args.k)
+                            k = None if variant == "adaptive" else args.k
+                            run = run_grpc(variant, index, stubs[variant], ids, args.max_new_tokens, k)
                         runs.append(run)
                         log.info("repeat %d prompt %d %-9s %5.1f tok/s (%d tokens)", repeat, index, variant,
                                  run.tokens_per_s, len(run.tokens))

@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start the verifier, drafters and orchestrator on loopback")
     flags.add(p, "--target", env="SPECDEC_TARGET", default=modeling.DEFAULT_TARGET, help="target model")
-    flags.add(p, "--draft", env="SPECDEC_DRAFT", default="ngram",
+    flags.add(p, "--draft", env="SPECDEC_DRAFT", default=modeling.DEFAULT_DRAFT,
               help='draft model (directory, hub id or .gguf), or "ngram" for prompt lookup')
     flags.add(p, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
     flags.add(p, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(ru, "--address", env="SPECDEC_RAY_ADDRESS", default=None,
               help='an existing Ray cluster ("auto", "ray://host:10001"); a local Ray when unset')
     flags.add(ru, "--target", env="SPECDEC_TARGET", default=modeling.DEFAULT_TARGET, help="target model")
-    flags.add(ru, "--draft", env="SPECDEC_DRAFT", default="ngram", help='draft model, or "ngram"')
+    flags.add(ru, "--draft", env="SPECDEC_DRAFT", default=modeling.DEFAULT_DRAFT, help='draft model, or "ngram"')
     flags.add(ru, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
     flags.add(ru, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
     flags.add(ru, "--verifier-gpus", env="SPECDEC_VERIFIER_GPUS", default="auto",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import ray
 
 from deploy.ray.actors import DrafterController, ServiceActor
+from specdec import modeling
 from specdec.launch import free_port
 
 log = logging.getLogger("specdec.ray")
@@ -50,7 +51,7 @@ def wait_serving(actors: dict, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def up(target: str, draft: str = "ngram", num_drafters: int = 1, *, port: int = 50051,
+def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, *, port: int = 50051,
        address: str | None = None, namespace: str = "specdec", verifier_gpus: str | float = "auto",
        verifier_cpus: float = 1, drafter_cpus: float = 1, orchestrator_cpus: float = 1,
        dtype: str = "float32", refresh_s: float = 0.5, drain_s: float = 3.0,

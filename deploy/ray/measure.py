@@ -48,7 +48,7 @@ def load(stub, clients: int, seconds: float, max_new_tokens: int) -> tuple[float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
-    parser.add_argument("--draft", default="ngram")
+    parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=32)

@@ -181,7 +181,8 @@ def main(argv=None):
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--text-weight", type=float, default=1.0,
                         help="fraction of the installed-text records used (chat is all used)")
-    parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--held-out-tokens", type=int, default=128, help="target tokens per held-out prompt")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -199,9 +200,9 @@ def main(argv=None):
              len(chat), sum(len(r["top_ids"]) for r in chat), len(text), sum(len(r["top_ids"]) for r in text),
              len(vocab))
 
-    cached = args.work / "held_out.pt"  # the target's answers do not change between runs
+    cached = args.work / f"held_out-{args.held_out_tokens}.pt"  # the target's answers do not change
     if not cached.exists():
-        torch.save(held_out_reference(target, tokenizer, max_new_tokens=128), cached)
+        torch.save(held_out_reference(target, tokenizer, args.held_out_tokens), cached)
     refs = torch.load(cached)
     student = build_student(target, [int(x) for x in args.layers.split(",")])
     del target
@@ -216,11 +217,13 @@ def main(argv=None):
     steps_per_epoch = sum(1 for _ in batches)
     total = int(steps_per_epoch * args.epochs)
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = min(100, total // 10)
+    warmup = max(1, min(100, total // 10))
+    plan = {"total": total}  # the cosine ends when the data or the time budget does
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / plan["total"]))))
     deadline = time.monotonic() + args.minutes * 60
-    curve, step, started, smooth = [{"step": 0, "minutes": 0.0, **start}], 0, time.monotonic(), None
+    curve, step, smooth = [{"step": 0, "minutes": 0.0, **start}], 0, None
+    started = time.monotonic()
     bar = tqdm(total=total, desc="distil", mininterval=30)
     while step < total and time.monotonic() < deadline:
         for batch in batches:
@@ -232,6 +235,11 @@ def main(argv=None):
             opt.step()
             schedule.step()
             step += 1
+            if step == 20:  # now the pace is known: fit the schedule into the time budget
+                pace = (time.monotonic() - started) / step
+                plan["total"] = total = min(total, int(args.minutes * 60 / pace))
+                bar.total = total
+                log.info("%.2f s per step: %d steps (%.1f epochs)", pace, total, total / steps_per_epoch)
             smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
             bar.update(1)
             bar.set_postfix(loss=f"{smooth:.3f}")

@@ -67,3 +67,16 @@ def test_unary_complete(tiny_cluster, expected):
     ids, want = expected[PROMPTS[2]]
     result = stub.Complete(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW), timeout=60)
     assert list(result.token_ids) == want
+
+
+def test_adaptive_k_matches_target(tiny_cluster, expected):
+    """No K in the request: the orchestrator picks K per round (it tries several while
+    it learns the costs); the output stays the target's."""
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    rounds = 0
+    for prompt, (ids, want) in expected.items():
+        _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW)
+        assert list(result.token_ids) == want, prompt
+        assert result.stats.accepted_tokens + result.stats.rounds == len(want)
+        rounds += result.stats.rounds
+    assert rounds > 0

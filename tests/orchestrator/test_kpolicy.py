@@ -1,0 +1,64 @@
+"""The per-round K choice, against costs and acceptance it is fed (no services)."""
+
+import pytest
+
+from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts, expected_tokens
+
+
+def feed(policy: AdaptiveK, alpha_accepts, draft_per_token: float, verify_base: float, verify_per_token: float,
+         rounds: int = 200):
+    """Runs `rounds` rounds where every draft is accepted while alpha_accepts(i) says so."""
+    chosen = []
+    for r in range(rounds):
+        k = policy.choose()
+        accepted = 0
+        while accepted < k and alpha_accepts(r, accepted):
+            accepted += 1
+        policy.observe(k, accepted, draft_per_token * k if k else None, verify_base + verify_per_token * k)
+        chosen.append(k)
+    return chosen
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_fixed_k_is_what_was_asked():
+    policy = FixedK(3)
+    policy.observe(3, 0, 0.1, 1.0)
+    assert policy.choose() == 3
+
+
+def test_cheap_draft_and_high_acceptance_picks_a_large_k():
+    policy = AdaptiveK(RoundCosts(), k_max=8, k_start=4, seed=0)
+    # alpha ~0.9 (one rejection every 10 drafts), drafting 1% of a verify, verify nearly flat in K.
+    chosen = feed(policy, lambda r, i: (r * 7 + i) % 10 != 0, 0.001, 0.1, 0.002)
+    assert sorted(chosen[-50:])[25] >= 6
+
+
+def test_speculation_that_does_not_pay_falls_back_to_the_target_alone():
+    policy = AdaptiveK(RoundCosts(), k_max=8, k_start=4, seed=0)
+    # Nothing is ever accepted: every draft token is pure cost.
+    chosen = feed(policy, lambda r, i: False, 0.01, 0.1, 0.02)
+    tail = chosen[-64:]
+    assert tail.count(0) >= 56  # K = 0 but for the periodic probes
+    assert max(tail) <= 1
+
+
+def test_costly_verify_per_token_limits_k():
+    policy = AdaptiveK(RoundCosts(), k_max=8, k_start=4, seed=0)
+    # alpha ~0.6 and each extra verified token costs 20 % of a step (a CPU): a small K.
+    chosen = feed(policy, lambda r, i: (r * 3 + i * 7) % 5 < 3, 0.005, 0.1, 0.02)
+    median = sorted(chosen[-50:])[25]
+    assert 1 <= median <= 3
+
+
+def test_alpha_estimate_follows_the_request():
+    costs = RoundCosts()
+    policy = AdaptiveK(costs, k_max=4, k_start=4)
+    for _ in range(100):
+        policy.observe(4, 2, 0.01, 0.1)  # two accepted, then a rejection: alpha = 2/3
+    assert policy.alpha == pytest.approx(2 / 3, abs=0.02)
+    assert costs.alpha == pytest.approx(2 / 3, abs=0.05)
