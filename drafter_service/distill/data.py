@@ -2,7 +2,8 @@
 every position we train on, from two sources.
 
 - chat: the target answers the training prompts (batched `generate`, half greedy, half
-  sampled at temperature 0.8); its logits at each generated step come with the answer.
+  sampled at temperature 0.8, 128 new tokens at most); its logits at each generated step
+  come with the answer.
 - text: teacher-forced passes of the target over text that is installed here (package
   documentation and the Python reference), which give a distribution per position at a
   fraction of generation's cost.
@@ -52,10 +53,10 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
         return_dict=False)
 
 
-def generate_chat(model, tokenizer, work: Path, minutes: float, seed: int,
+def generate_chat(model, tokenizer, work: Path, minutes: float, seed: int, max_prompts: int | None = None,
                   batch_size: int = 48, max_new_tokens: int = 128, progress=None) -> None:
     """Target answers to training prompts, with the target's top-k at every answer token."""
-    prompts = prompt_sets.training_prompts(seed)
+    prompts = prompt_sets.training_prompts(seed)[:max_prompts]
     done = sum(len(torch.load(s)) for s in _shards(work, "chat"))
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])
@@ -153,7 +154,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
-    parser.add_argument("--chat-minutes", type=float, default=20)
+    parser.add_argument("--chat-prompts", type=int, default=960, help="training prompts the target answers")
+    parser.add_argument("--chat-minutes", type=float, default=60, help="time budget of the chat stage")
     parser.add_argument("--text-minutes", type=float, default=10)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -161,7 +163,7 @@ def main(argv=None):
     args.work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = modeling.load_model(args.target)
     with tqdm(desc="chat tokens", unit="tok", mininterval=30) as bar:
-        generate_chat(model, tokenizer, args.work, args.chat_minutes, args.seed, progress=bar)
+        generate_chat(model, tokenizer, args.work, args.chat_minutes, args.seed, args.chat_prompts, progress=bar)
     with tqdm(desc="text tokens", unit="tok", mininterval=30) as bar:
         teacher_text(model, tokenizer, args.work, args.text_minutes, args.seed, progress=bar)
 

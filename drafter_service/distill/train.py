@@ -4,8 +4,8 @@ The draft is the target's embedding, its first `--layers` decoder layers (traine
 final norm (trained) and its tied output head. Only the trained layers and norm are
 shipped; the embedding is borrowed from the installed target when the draft is first
 loaded (`borrowed.json`, see specdec.modeling). The drafter scores only the `--vocab`
-tokens the target emits most often (`draft_vocab.json`): on a CPU the 49k-row head is
-a large part of a small model's step.
+tokens the target uses most (`draft_vocab.json`): on a CPU the 49k-row head is a large
+part of a small model's step.
 
 Loss: cross-entropy of the draft's distribution (over its vocabulary) against the
 target's, from the target's top-k logits at every position of the data (data.py),
@@ -46,13 +46,22 @@ def build_student(target, layers: list[int]):
     return student
 
 
-def draft_vocabulary(records: list[dict], size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
-    """The `size` tokens the target emits or ranks first most often, plus `always`."""
+def _counts(records: list[dict], vocab_size: int) -> torch.Tensor:
+    """How often each token is in an answer or the target's first choice."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for r in records:
         counts.index_add_(0, r["top_ids"][:, 0].long(), torch.ones(len(r["top_ids"]), dtype=torch.long))
         answer = torch.tensor(r["tokens"][r["start"]:], dtype=torch.long)
         counts.index_add_(0, answer, torch.ones(len(answer), dtype=torch.long))
+    return counts
+
+
+def draft_vocabulary(chat: list[dict], text: list[dict], size: int, vocab_size: int,
+                     always: list[int], chat_weight: int = 16) -> torch.Tensor:
+    """The `size` tokens the target uses most, plus `always`. Chat is what the draft
+    serves, so one occurrence there counts `chat_weight` in installed text (whose code
+    and markup would otherwise crowd out the words of answers)."""
+    counts = _counts(chat, vocab_size) * chat_weight + _counts(text, vocab_size)
     counts[torch.tensor(always)] = counts.max() + 1
     return torch.topk(counts, size).indices.sort().values
 
@@ -174,13 +183,17 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--layers", default="0,1", help="target layers the draft starts from")
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=12288, help="size of the draft vocabulary")
     parser.add_argument("--minutes", type=float, default=30)
-    parser.add_argument("--epochs", type=float, default=4)
+    parser.add_argument("--epochs", type=float, default=6)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="exact number of steps (reproduces a run); default: as many as --epochs and --minutes allow")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--text-weight", type=float, default=1.0,
-                        help="fraction of the installed-text records used (chat is all used)")
+                        help="fraction of the installed-text records used")
+    parser.add_argument("--chat-repeat", type=int, default=2,
+                        help="times each chat answer occurs per epoch (they are what the draft serves)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--held-out-tokens", type=int, default=128, help="target tokens per held-out prompt")
     parser.add_argument("--seed", type=int, default=0)
@@ -191,9 +204,9 @@ def main(argv=None):
     target, tokenizer = modeling.load_model(args.target)
     chat, text = data.load(args.work, "chat"), data.load(args.work, "text")
     text = random.Random(args.seed).sample(text, int(len(text) * args.text_weight))
-    records = chat + text
+    records = chat * args.chat_repeat + text
     always = sorted(set(modeling.eos_token_ids(target, tokenizer)) | set(tokenizer.all_special_ids))
-    vocab = draft_vocabulary(records, args.vocab, target.config.vocab_size, always)
+    vocab = draft_vocabulary(chat, text, args.vocab, target.config.vocab_size, always)
     index_of = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     index_of[vocab] = torch.arange(len(vocab))
     log.info("data: %d chat answers (%d positions), %d text windows (%d positions); draft vocabulary %d",
@@ -215,7 +228,7 @@ def main(argv=None):
 
     batches = Batches(records, index_of, args.tokens_per_batch, args.seed)
     steps_per_epoch = sum(1 for _ in batches)
-    total = int(steps_per_epoch * args.epochs)
+    total = args.steps or int(steps_per_epoch * args.epochs)
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, min(100, total // 10))
     plan = {"total": total}  # the cosine ends when the data or the time budget does
@@ -225,7 +238,7 @@ def main(argv=None):
     curve, step, smooth = [{"step": 0, "minutes": 0.0, **start}], 0, None
     started = time.monotonic()
     bar = tqdm(total=total, desc="distil", mininterval=30)
-    while step < total and time.monotonic() < deadline:
+    while step < total and (args.steps or time.monotonic() < deadline):
         for batch in batches:
             student.train()
             loss = distill_loss(student, head(), batch)
@@ -235,7 +248,7 @@ def main(argv=None):
             opt.step()
             schedule.step()
             step += 1
-            if step == 20:  # now the pace is known: fit the schedule into the time budget
+            if step == 20 and not args.steps:  # now the pace is known: fit the schedule into the time budget
                 pace = (time.monotonic() - started) / step
                 plan["total"] = total = min(total, int(args.minutes * 60 / pace))
                 bar.total = total
@@ -243,13 +256,13 @@ def main(argv=None):
             smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
             bar.update(1)
             bar.set_postfix(loss=f"{smooth:.3f}")
-            if step % args.eval_every == 0 or step == total or time.monotonic() >= deadline:
+            if step % args.eval_every == 0 or step == total or (not args.steps and time.monotonic() >= deadline):
                 result = acceptance(student.eval(), head(), vocab, index_of, refs)
                 minutes = (time.monotonic() - started) / 60
                 curve.append({"step": step, "minutes": round(minutes, 1), "loss": round(smooth, 4), **result})
                 log.info("step %d (%.1f min): loss %.3f, held-out greedy %.3f, sampled %.3f",
                          step, minutes, smooth, result["greedy"], result["sampled"])
-            if step >= total or time.monotonic() >= deadline:
+            if step >= total or (not args.steps and time.monotonic() >= deadline):
                 break
     bar.close()
     meta = {"command": " ".join(["python -m drafter_service.distill.train"] + (argv or sys.argv[1:])),
