@@ -113,7 +113,7 @@ def installed_text() -> list[str]:
     return texts
 
 
-def teacher_text(model, tokenizer, work: Path, minutes: float, seed: int,
+def teacher_text(model, tokenizer, work: Path, minutes: float, seed: int, max_windows: int | None = None,
                  window: int = 256, batch_size: int = 8, progress=None) -> None:
     """The target's top-k at every position of installed text, in windows."""
     texts = installed_text()
@@ -121,7 +121,7 @@ def teacher_text(model, tokenizer, work: Path, minutes: float, seed: int,
     stream = []
     for text in texts:
         stream += tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-    windows = [stream[i:i + window] for i in range(0, len(stream) - window, window)]
+    windows = [stream[i:i + window] for i in range(0, len(stream) - window, window)][:max_windows]
     done = sum(len(torch.load(s)) for s in _shards(work, "text"))
     log.info("text: %d windows of %d tokens available, %d done", len(windows), window, done)
     deadline = time.monotonic() + minutes * 60
@@ -156,7 +156,8 @@ def main(argv=None):
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--chat-prompts", type=int, default=960, help="training prompts the target answers")
     parser.add_argument("--chat-minutes", type=float, default=60, help="time budget of the chat stage")
-    parser.add_argument("--text-minutes", type=float, default=10)
+    parser.add_argument("--text-windows", type=int, default=1440, help="256-token windows of installed text")
+    parser.add_argument("--text-minutes", type=float, default=60, help="time budget of the text stage")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -165,7 +166,7 @@ def main(argv=None):
     with tqdm(desc="chat tokens", unit="tok", mininterval=30) as bar:
         generate_chat(model, tokenizer, args.work, args.chat_minutes, args.seed, args.chat_prompts, progress=bar)
     with tqdm(desc="text tokens", unit="tok", mininterval=30) as bar:
-        teacher_text(model, tokenizer, args.work, args.text_minutes, args.seed, progress=bar)
+        teacher_text(model, tokenizer, args.work, args.text_minutes, args.seed, args.text_windows, progress=bar)
 
 
 if __name__ == "__main__":
