@@ -92,7 +92,6 @@ class AdaptiveK:
         self.probe_every, self.prior_weight = probe_every, prior_weight
         self.accepted, self.tested, self.rounds = 0, 0, 0
         self.rng = random.Random(seed)
-        self.last_choice = self.k_start
 
     @property
     def alpha(self) -> float:
@@ -114,14 +113,13 @@ class AdaptiveK:
         # Learn the costs of K = 0, a middle K and the starting K before trusting them.
         for k in (self.k_start, 0, max(1, self.k_start // 2)):
             if len(self.costs.verify.by_k) < 3 and k not in self.costs.verify.by_k:
-                self.last_choice = k
                 return k
         speeds = {k: self.speed(k) for k in range(self.k_max + 1)}
         known = {k: s for k, s in speeds.items() if s is not None}
         best = max(known, key=known.get) if known else self.k_start
         if self.rounds % self.probe_every == 0:
-            best = min(self.k_max, max(0, best + self.rng.choice((-1, 1)) if best > 0 else 1))
-        self.last_choice = best
+            neighbour = best + self.rng.choice((-1, 1)) if best > 0 else 1
+            return min(self.k_max, neighbour)
         return best
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float) -> None:
