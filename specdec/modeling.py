@@ -155,6 +155,23 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(resolve(spec))
 
 
+class _FewRowsHead(torch.nn.Module):
+    """The output head, computed as W @ hᵀ for 2 to 16 rows. On the CPU measured here
+    (MKL, AVX2) a verify pass's K+1 rows through SmolLM2's 49k-row head cost about 40%
+    less that way than as h @ Wᵀ; one row (decoding) and many rows (prefill, training)
+    keep the usual product."""
+
+    def __init__(self, head: torch.nn.Linear):
+        super().__init__()
+        self.weight = head.weight  # shared: a tied embedding stays tied
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if not 2 <= rows.shape[0] <= 16:
+            return torch.nn.functional.linear(hidden, self.weight)
+        return (self.weight @ rows.T).T.reshape(*hidden.shape[:-1], -1)
+
+
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
     """Returns (model, tokenizer), the model in eval mode on `device`."""
     from transformers import AutoModelForCausalLM
@@ -166,6 +183,9 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
     path = resolve(spec)
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+    head = model.get_output_embeddings()
+    if device == "cpu" and isinstance(head, torch.nn.Linear) and head.bias is None:
+        model.set_output_embeddings(_FewRowsHead(head))
     log.info("loaded %s in %.1f s: %.1fM parameters", spec, time.monotonic() - started,
              sum(p.numel() for p in model.parameters()) / 1e6)
     return model, tokenizer
@@ -180,7 +200,7 @@ def restrict_output(model, spec: str) -> torch.Tensor | None:
         return None
     token_ids = torch.tensor(json.loads(path.read_text())["token_ids"], dtype=torch.long)
     full = model.get_output_embeddings()
-    head = torch.nn.Linear(full.in_features, len(token_ids), bias=False, device=full.weight.device,
+    head = torch.nn.Linear(full.weight.shape[1], len(token_ids), bias=False, device=full.weight.device,
                            dtype=full.weight.dtype)
     with torch.no_grad():
         head.weight.copy_(full.weight[token_ids.to(full.weight.device)])
