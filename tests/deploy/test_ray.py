@@ -161,7 +161,9 @@ def test_autoscaler_grows_and_shrinks_the_pool(deployment, tiny_pair, expected):
             for t in threads:
                 t.join()
         wait_for_drafters(admin, 1, timeout_s=120)
-        assert "3 -> 1 drafters: 0 sessions" in admin.ListDrafters(pb.ListDraftersRequest()).last_scaling_decision
+        # Clients finish at different times, so it may shrink in steps (3 -> 2 -> 1):
+        # what matters is the last decision, made idle.
+        assert "-> 1 drafters: 0 sessions" in admin.ListDrafters(pb.ListDraftersRequest()).last_scaling_decision
         assert outcomes and all(outcomes)
     finally:
         channel.close()
