@@ -3,6 +3,7 @@ and the verifier, runs the speculative rounds and streams the committed output."
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -41,6 +42,7 @@ class Limits:
     max_concurrent_requests: int
     drafter_timeout_s: float
     verifier_timeout_s: float
+    overlap: bool = False
 
 
 @dataclass
@@ -161,11 +163,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         try:
             policy = FixedK(req.k) if req.k is not None else AdaptiveK(
                 self.costs, self.limits.adaptive_max_k, self.limits.default_k)
-            async for new in speculate(req.prompt, req.max_new_tokens, policy, self.eos, drafter, verifier, stats):
-                ids, delta = text.add(new)
-                yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=delta))
-                if text.stop_hit is not None:
-                    break
+            rounds = speculate(req.prompt, req.max_new_tokens, policy, self.eos, drafter, verifier, stats,
+                               overlap=self.limits.overlap)
+            async with contextlib.aclosing(rounds):  # a stop string ends it early: stop its drafting too
+                async for new in rounds:
+                    ids, delta = text.add(new)
+                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=delta))
+                    if text.stop_hit is not None:
+                        break
             tail = text.finish()
             if tail:
                 yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
@@ -203,7 +208,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             stats=pb.SpeculationStats(
                 rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
                 acceptance_rate=_rate(stats), resyncs=stats.resyncs, drafter_failovers=stats.drafter_failovers,
-                accepted_per_position=stats.accepted_per_position),
+                accepted_per_position=stats.accepted_per_position, lookaheads=stats.lookaheads,
+                lookahead_hits=stats.lookahead_hits),
         )
 
 
@@ -291,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="K to start from for a request that sets none; its K then adapts per round")
     add(parser, "--adaptive-max-speculative-tokens", env="SPECDEC_ADAPTIVE_MAX_SPECULATIVE_TOKENS", type=int,
         default=8, help="largest K the per-round choice considers")
+    add(parser, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
+        help="draft each round's successor while the round is verified (pays when the drafters do not share "
+             "the verifier's cores)")
     add(parser, "--max-speculative-tokens", env="SPECDEC_MAX_SPECULATIVE_TOKENS", type=int, default=16,
         help="largest K a request may ask for")
     add(parser, "--default-max-new-tokens", env="SPECDEC_DEFAULT_MAX_NEW_TOKENS", type=int, default=256,
@@ -310,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(args, on_listen=None) -> None:
     limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
-                    args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests, args.drafter_timeout,
-                    args.verifier_timeout)
+                    args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests,
+                    args.drafter_timeout, args.verifier_timeout, args.overlap)
     servicer = OrchestratorServicer(limits)
     admin = AdminServicer()
 

@@ -32,6 +32,8 @@ class Stats:
     resyncs: int = 0
     drafter_failovers: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    lookaheads: int = 0  # rounds drafted ahead, while the previous round was verified
+    lookahead_hits: int = 0  # of those, rounds whose guess held and whose drafts were used
 
     def record(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -91,7 +93,11 @@ class DrafterLink:
         self.replica: Replica | None = None
         self.synced = 0
 
-    async def propose(self, history: list[int], k: int) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
+    async def propose(self, history: list[int], k: int, committed: int | None = None
+                      ) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
+        """Drafts k tokens after `history`, of which the first `committed` (default: all)
+        are committed; the rest are a guess, which the drafter holds only until the next
+        call says otherwise."""
         if self.replica is not None and self.replica.removed:
             log.info("[%s] drafter %s left the replica set; moving on", self.session_id, self.replica.address)
             try:
@@ -105,7 +111,7 @@ class DrafterLink:
                 if self.replica is None:
                     return [], []
             try:
-                return await self._propose(history, k)
+                return await self._propose(history, k, len(history) if committed is None else committed)
             except grpc.aio.AioRpcError as err:
                 log.warning("[%s] drafter %s failed: %s; moving on", self.session_id, self.replica.address,
                             err.code().name)
@@ -114,7 +120,7 @@ class DrafterLink:
                 self.replica = None
                 self.stats.drafter_failovers += 1
 
-    async def _propose(self, history: list[int], k: int):
+    async def _propose(self, history: list[int], k: int, committed: int):
         while True:
             request = drafter_pb2.ProposeRequest(
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
@@ -132,7 +138,7 @@ class DrafterLink:
                     self.stats.resyncs += 1
                     continue
                 raise
-            self.synced = len(history)
+            self.synced = committed
             if qs and len(qs) != len(drafts):
                 # A draft without its distribution would be verified as one-hot: drop them all.
                 log.error("[%s] drafter %s sent %d distributions for %d drafts; ignoring its drafts",
@@ -150,6 +156,37 @@ class DrafterLink:
                 self.pool.release(replica)
 
 
+class _Lookahead:
+    """The next round's drafts, drafted while this round is verified. They assume the
+    verifier accepts all of this round's drafts and that its own token is the one the
+    drafter guesses: the first token the drafter proposes after the drafts. They are
+    used only if both hold, so they never change the output, only when drafting happens."""
+
+    def __init__(self, drafter: DrafterLink, history: list[int], drafts: list[int], k: int):
+        self.drafts_sent = len(drafts)
+        self.task = asyncio.ensure_future(drafter.propose(history + drafts, k + 1, committed=len(history)))
+
+    async def take(self, accepted: int, next_token: int):
+        """The drafts for the next round if the guess held, else None."""
+        if accepted < self.drafts_sent:
+            await self.cancel()
+            return None
+        try:
+            drafts, qs = await self.task
+        except grpc.aio.AioRpcError:
+            return None  # the next round drafts again, on another replica if need be
+        if not drafts or drafts[0] != next_token:
+            return None
+        return drafts[1:], qs[1:]
+
+    async def cancel(self) -> None:
+        self.task.cancel()
+        try:
+            await self.task
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+
+
 async def speculate(
     prompt: list[int],
     max_new_tokens: int,
@@ -158,31 +195,51 @@ async def speculate(
     drafter: DrafterLink,
     verifier: VerifierLink,
     stats: Stats,
+    overlap: bool = False,
 ) -> AsyncIterator[list[int]]:
-    """Yields the tokens committed by each round until max_new_tokens or an EOS token."""
+    """Yields the tokens committed by each round until max_new_tokens or an EOS token.
+    With `overlap`, the drafter drafts the next round while the verifier checks this one."""
     policy = FixedK(k) if isinstance(k, int) else k
     history = list(prompt)
     produced = 0
-    while produced < max_new_tokens:
-        # A round commits at most k + 1 tokens: never draft past the budget.
-        k_round = min(policy.choose(), max_new_tokens - produced - 1)
-        # 1. Propose: the drafter extends the history by k_round draft tokens.
-        started = time.perf_counter()
-        drafts, qs = await drafter.propose(history, k_round) if k_round > 0 else ([], [])
-        drafted = time.perf_counter()
-        # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
-        accepted, next_token = await verifier.verify(history, drafts, qs)
-        policy.observe(len(drafts), accepted, drafted - started if drafts else None,
-                       time.perf_counter() - drafted)
-        stats.record(len(drafts), accepted)
-        # 3. Commit: the accepted drafts and the correction (or bonus) token.
-        new = drafts[:accepted] + [next_token]
-        for i, token in enumerate(new):
-            if token in eos:
-                new = new[:i + 1]
-                break
-        history.extend(new)
-        produced += len(new)
-        yield new
-        if new[-1] in eos:
-            return
+    ahead: tuple[list[int], list[common_pb2.SparseDistribution]] | None = None
+    lookahead: _Lookahead | None = None
+    try:
+        while produced < max_new_tokens:
+            # A round commits at most k + 1 tokens: never draft past the budget.
+            k_round = min(policy.choose(), max_new_tokens - produced - 1)
+            # 1. Propose: the drafter extends the history by k_round draft tokens (or
+            # already did, during the last round's verification).
+            started = time.perf_counter()
+            if k_round <= 0:
+                drafts, qs = [], []
+            elif ahead is not None:
+                drafts, qs = ahead[0][:k_round], ahead[1][:k_round]
+            else:
+                drafts, qs = await drafter.propose(history, k_round)
+            drafted = time.perf_counter()
+            if overlap and k_round > 0 and produced + k_round + 1 < max_new_tokens:
+                lookahead = _Lookahead(drafter, history, drafts, k_round)
+                stats.lookaheads += 1
+            # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
+            accepted, next_token = await verifier.verify(history, drafts, qs)
+            policy.observe(len(drafts), accepted, drafted - started if drafts else None,
+                           time.perf_counter() - drafted)
+            stats.record(len(drafts), accepted)
+            if lookahead is not None:
+                ahead, lookahead = await lookahead.take(accepted, next_token), None
+                stats.lookahead_hits += ahead is not None
+            # 3. Commit: the accepted drafts and the correction (or bonus) token.
+            new = drafts[:accepted] + [next_token]
+            for i, token in enumerate(new):
+                if token in eos:
+                    new = new[:i + 1]
+                    break
+            history.extend(new)
+            produced += len(new)
+            yield new
+            if new[-1] in eos:
+                return
+    finally:
+        if lookahead is not None:
+            await lookahead.cancel()

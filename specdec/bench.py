@@ -7,6 +7,8 @@ On one prompt set, in one run, interleaved per prompt:
                the verifier's acceptance) in this process, no gRPC
   grpc         the full `specdec up` path: three processes over gRPC, K fixed (-k)
   adaptive     the same services, K chosen by the orchestrator each round
+  overlap      `specdec up --overlap`: K fixed, each round drafted while the last one
+               is verified
   ngram        `specdec up` with the prompt-lookup drafter (--ngram)
 
 Per variant: tokens/s (median and spread over prompts x repeats), time to first token,
@@ -42,7 +44,7 @@ from specdec.verifier.v1 import verifier_pb2
 log = logging.getLogger("bench")
 
 DEFAULT_PROMPTS = Path(__file__).parent / "bench_prompts.txt"
-VARIANTS = ("target", "assisted", "inprocess", "grpc", "adaptive", "ngram")
+VARIANTS = ("target", "assisted", "inprocess", "grpc", "adaptive", "overlap", "ngram")
 
 
 @dataclass
@@ -57,6 +59,8 @@ class Run:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    lookaheads: int = 0
+    lookahead_hits: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,7 +99,7 @@ class _LocalDrafter:
     def __init__(self, proposer, params):
         self.proposer, self.params, self.seq = proposer, params, proposer.new_sequence()
 
-    async def propose(self, history, k):
+    async def propose(self, history, k, committed=None):
         self.seq.sync(0, history)
         drafted = list(self.proposer.propose(self.seq, k, self.params))
         return [t for t, _ in drafted], [q for _, q in drafted if q is not None]
@@ -151,7 +155,7 @@ def run_grpc(variant: str, index: int, stub, ids: list[int], max_new_tokens: int
     wall = time.perf_counter() - started
     stats = result.stats
     return Run(variant, index, tokens, wall, arrivals, stats.rounds, stats.draft_tokens, stats.accepted_tokens,
-               list(stats.accepted_per_position))
+               list(stats.accepted_per_position), stats.lookaheads, stats.lookahead_hits)
 
 
 @torch.inference_mode()
@@ -233,6 +237,9 @@ def summarize(runs: list[Run], reference: dict[int, list[int]], k: int, costs: d
                 "tokens_per_round": sum(len(r.tokens) for r in mine) / rounds,
                 "round_s": sum(r.wall_s for r in mine) / rounds,
             })
+        lookaheads = sum(r.lookaheads for r in mine)
+        if lookaheads:
+            row.update({"lookaheads": lookaheads, "lookahead_hits": sum(r.lookahead_hits for r in mine)})
         by_variant[variant] = row
     target_rate = by_variant["target"]["tokens_per_s_median"]
     for variant, row in by_variant.items():
@@ -243,7 +250,7 @@ def summarize(runs: list[Run], reference: dict[int, list[int]], k: int, costs: d
             else row["tokens_per_s_median"] / target_rate
     c = costs["draft_step"] / costs["target_step"]
     v = costs["verify"] / costs["target_step"]
-    for variant in ("inprocess", "grpc"):
+    for variant in ("inprocess", "grpc", "overlap"):
         row = by_variant.get(variant)
         if row and "rounds" in row:
             alpha = alpha_from_accepted(row["mean_accepted_length"], k)
@@ -277,6 +284,10 @@ def markdown(summary: dict, meta: dict) -> str:
             f"{row['itl_s_p90'] * 1e3:.0f}/{row['itl_s_p99'] * 1e3:.0f} | {opt('acceptance', '{:.2f}')} | "
             f"{opt('mean_accepted_length', '{:.2f}')} | {per_position} | {network} | {opt('bound', '{:.2f}x')} | "
             f"{opt('fraction_of_bound', '{:.0%}')} | {row['same_tokens_as_target']} |")
+    for name, row in summary["variants"].items():
+        if "lookaheads" in row:
+            lines += ["", f"{name}: {row['lookahead_hits']} of {row['lookaheads']} rounds drafted ahead were used "
+                          f"({row['lookahead_hits'] / row['lookaheads']:.0%}); the others were drafted again"]
     return "\n".join(lines) + "\n"
 
 
@@ -347,6 +358,9 @@ def run(args) -> dict:
     deployments = {}
     if "grpc" in variants or "adaptive" in variants:
         deployments["grpc"] = launch.plan(args.target, args.draft, 1, launch.free_port(), args.dtype, device)
+    if "overlap" in variants:
+        deployments["overlap"] = launch.plan(args.target, args.draft, 1, launch.free_port(), args.dtype, device,
+                                             overlap=True)
     if "ngram" in variants:
         deployments["ngram"] = launch.plan(args.target, "ngram", 1, launch.free_port(), args.dtype, device)
     for services in deployments.values():

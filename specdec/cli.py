@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(p, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
     flags.add(p, "--dtype", env="SPECDEC_DTYPE", default="float32", help="weights dtype of both models")
     flags.add(p, "--device", env="SPECDEC_DEVICE", default="cpu", help="torch device of both models")
+    flags.add(p, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
+              help="the orchestrator drafts each round's successor while the round is verified")
     flags.add(p, "--startup-timeout", env="SPECDEC_STARTUP_TIMEOUT", type=float, default=600.0,
               help="seconds to wait for every service to serve")
 

@@ -37,7 +37,7 @@ class Service:
 
 
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
-         device: str = "cpu") -> list[Service]:
+         device: str = "cpu", overlap: bool = False) -> list[Service]:
     """The processes of one deployment; `draft` is "ngram" or a draft model."""
     python = [sys.executable, "-m"]
     verifier = Service("verifier", free_port(), [])
@@ -53,7 +53,7 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
     orchestrator = Service("orchestrator", port, [])
     orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port),
                          "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
-                         "--tokenizer", target]
+                         "--tokenizer", target, "--overlap" if overlap else "--no-overlap"]
     return [verifier, *drafters, orchestrator]
 
 
@@ -103,7 +103,7 @@ def stop(services: list[Service], grace_s: float = 10.0) -> None:
 
 
 def up(args) -> int:
-    services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device)
+    services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device, args.overlap)
     stopping = False
 
     def on_signal(signum, frame):

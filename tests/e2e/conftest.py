@@ -6,7 +6,8 @@ from cluster import Cluster, drafter, orchestrator, verifier
 @pytest.fixture(scope="package")
 def tiny_cluster(tiny_pair):
     """The tiny pair as real processes: one verifier, a model drafter and a prompt-lookup
-    drafter, and an orchestrator for each drafter."""
+    drafter, an orchestrator for each drafter, and one that overlaps drafting with
+    verification on the model drafter."""
     target_dir, draft_dir, _ = tiny_pair
     cluster = Cluster()
     v = verifier(target_dir)
@@ -14,9 +15,10 @@ def tiny_cluster(tiny_pair):
     cluster.start(v, model_drafter, ngram_drafter)
     with_model = orchestrator(v, [model_drafter], target_dir, "orchestrator-model")
     with_ngram = orchestrator(v, [ngram_drafter], target_dir, "orchestrator-ngram")
-    cluster.start(with_model, with_ngram)
+    overlapping = orchestrator(v, [model_drafter], target_dir, "orchestrator-overlap", extra=["--overlap"])
+    cluster.start(with_model, with_ngram, overlapping)
     cluster.roles = {"verifier": v, "model-drafter": model_drafter, "ngram-drafter": ngram_drafter,
-                     "model": with_model, "ngram": with_ngram}
+                     "model": with_model, "ngram": with_ngram, "overlap": overlapping}
     yield cluster
     cluster.close()
 

@@ -23,11 +23,11 @@ def expected(tiny_pair, smol_tokenizer):
     return by_prompt
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "ngram", "overlap"])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_matches_target(tiny_cluster, expected, kind, k):
     stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles[kind])
-    drafted = accepted = 0
+    drafted = accepted = hits = 0
     for prompt, (ids, want) in expected.items():
         chunks, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW,
                                   num_speculative_tokens=k)
@@ -37,11 +37,15 @@ def test_greedy_matches_target(tiny_cluster, expected, kind, k):
         s = result.stats
         drafted += s.draft_tokens
         accepted += s.accepted_tokens
+        hits += s.lookahead_hits
         # Every round commits its accepted drafts plus one token of the target's.
         assert s.accepted_tokens + s.rounds == len(want)
-    if kind == "model":
+        assert s.lookaheads == 0 if kind != "overlap" else s.lookaheads > 0
+    if kind != "ngram":
         # Both paths ran: some drafts were accepted, some corrected.
         assert 0 < accepted < drafted, (accepted, drafted)
+    if kind == "overlap" and k == 1:
+        assert hits > 0  # some rounds used drafts made while the last one was verified
 
 
 def test_text_prompt_matches_target(tiny_cluster, expected, smol_tokenizer):

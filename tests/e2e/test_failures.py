@@ -29,17 +29,19 @@ def session_was_released(cluster, service, session_id: str) -> bool:
     return not stub.CloseSession(request_type.CloseSessionRequest(session_id=session_id), timeout=5).closed
 
 
-def test_lost_sessions_resync_and_output_is_unchanged(tiny_cluster, long_case):
+@pytest.mark.parametrize("role", ["model", "overlap"])
+def test_lost_sessions_resync_and_output_is_unchanged(tiny_cluster, long_case, role):
     ids, want = long_case
     roles = tiny_cluster.roles
-    stub = tiny_cluster.orchestrator_stub(roles["model"])
-    stream = Stream(stub, request_id="lost-1", token_ids=pb.TokenIds(ids=ids),
-                                                   max_new_tokens=LONG, num_speculative_tokens=4)
+    stub = tiny_cluster.orchestrator_stub(roles[role])
+    session = f"lost-{role}"
+    stream = Stream(stub, request_id=session, token_ids=pb.TokenIds(ids=ids),
+                    max_new_tokens=LONG, num_speculative_tokens=4)
     # Both services forget the session mid-request (as after a restart).
     assert tiny_cluster.drafter_stub(roles["model-drafter"]).CloseSession(
-        drafter_pb2.CloseSessionRequest(session_id="lost-1")).closed
+        drafter_pb2.CloseSessionRequest(session_id=session)).closed
     assert tiny_cluster.verifier_stub(roles["verifier"]).CloseSession(
-        verifier_pb2.CloseSessionRequest(session_id="lost-1")).closed
+        verifier_pb2.CloseSessionRequest(session_id=session)).closed
     result = stream.finish()
     assert list(result.token_ids) == want
     assert result.stats.resyncs == 2
@@ -60,16 +62,31 @@ def test_sessions_released_after_complete(tiny_cluster):
     assert session_was_released(tiny_cluster, roles["verifier"], "unary-1")
 
 
-def test_sessions_released_after_client_cancel(tiny_cluster, long_case):
+@pytest.mark.parametrize("role", ["model", "overlap"])
+def test_sessions_released_after_client_cancel(tiny_cluster, long_case, role):
     roles = tiny_cluster.roles
-    stub = tiny_cluster.orchestrator_stub(roles["model"])
-    stream = Stream(stub, request_id="cancel-1", token_ids=pb.TokenIds(ids=long_case[0]),
-                                          max_new_tokens=LONG)
+    stub = tiny_cluster.orchestrator_stub(roles[role])
+    session = f"cancel-{role}"
+    stream = Stream(stub, request_id=session, token_ids=pb.TokenIds(ids=long_case[0]), max_new_tokens=LONG)
     stream.call.cancel()
-    assert session_was_released(tiny_cluster, roles["model-drafter"], "cancel-1")
-    assert session_was_released(tiny_cluster, roles["verifier"], "cancel-1")
+    assert session_was_released(tiny_cluster, roles["model-drafter"], session)
+    assert session_was_released(tiny_cluster, roles["verifier"], session)
     # The id is free again.
-    generate(stub, request_id="cancel-1", text="Hello", max_new_tokens=4)
+    generate(stub, request_id=session, text="Hello", max_new_tokens=4)
+
+
+def test_sessions_released_after_stop_string(tiny_cluster, long_case, smol_tokenizer):
+    """A stop string ends the request between rounds, while the next round is being
+    drafted ahead: that drafting stops and both sessions are released."""
+    ids, want = long_case
+    roles = tiny_cluster.roles
+    stop = smol_tokenizer.decode(want[20:23])
+    _, result = generate(tiny_cluster.orchestrator_stub(roles["overlap"]), request_id="stop-overlap",
+                         token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG, num_speculative_tokens=2, stop=[stop])
+    assert result.finish_reason == pb.FINISH_REASON_STOP and result.stop_sequence == stop
+    assert len(result.token_ids) < LONG
+    assert session_was_released(tiny_cluster, roles["model-drafter"], "stop-overlap")
+    assert session_was_released(tiny_cluster, roles["verifier"], "stop-overlap")
 
 
 def test_sessions_released_after_deadline(tiny_cluster, long_case):

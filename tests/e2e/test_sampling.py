@@ -20,48 +20,56 @@ SAMPLES = 1200
 
 @pytest.fixture(scope="module")
 def micro_cluster(micro_pair):
+    """One verifier and drafter; an orchestrator that drafts each round after the last
+    one's verification, and one that drafts it during (--overlap)."""
     target_dir, draft_dir, _ = micro_pair
     cluster = Cluster()
     v, d = verifier(target_dir), drafter(draft_dir)
     cluster.start(v, d)
     o = orchestrator(v, [d], target_dir)
-    cluster.start(o)
-    yield cluster, o
+    overlapping = orchestrator(v, [d], target_dir, "orchestrator-overlap", extra=["--overlap"])
+    cluster.start(o, overlapping)
+    cluster.roles = {"plain": o, "overlap": overlapping}
+    yield cluster
     cluster.close()
 
 
-def exact_outcomes(model, params: common_pb2.SamplingParams) -> dict[tuple, float]:
-    """P(output) under the target alone, for outputs of at most two tokens: (t1, t2),
-    or (EOS,) when the first token ends generation."""
-    with torch.no_grad():
-        p1 = sampling.probs(model(torch.tensor([PROMPT])).logits[0, -1], params).double()
-        vocab = p1.shape[0]
-        rows = torch.tensor([PROMPT + [t] for t in range(vocab)])
-        p2 = sampling.probs(model(rows).logits[:, -1], params).double()
-    outcomes = {(EOS,): p1[EOS].item()}
-    for t1 in range(vocab):
-        if t1 != EOS:
-            outcomes.update({(t1, t2): (p1[t1] * p2[t1, t2]).item() for t2 in range(vocab)})
+def exact_outcomes(model, params: common_pb2.SamplingParams, depth: int) -> dict[tuple, float]:
+    """P(output) under the target alone, for every output of at most `depth` tokens
+    (shorter only when it ends with EOS) that the sampling rules allow."""
+    outcomes = {}
+
+    def walk(prefix: tuple, prob: float):
+        with torch.no_grad():
+            p = sampling.probs(model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1], params).double()
+        for token in torch.nonzero(p).flatten().tolist():
+            out = prefix + (token,)
+            if token == EOS or len(out) == depth:
+                outcomes[out] = prob * p[token].item()
+            else:
+                walk(out, prob * p[token].item())
+
+    walk((), 1.0)
     return outcomes
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 5, 0.9)])
-def test_distribution_matches_target(micro_cluster, micro_pair, temperature, top_k, top_p):
-    cluster, o = micro_cluster
-    stub = cluster.orchestrator_stub(o)
-    params = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    exact = exact_outcomes(micro_pair[2], params)
+def check_distribution(stub, model, params: common_pb2.SamplingParams, depth: int, k: int):
+    """Samples SAMPLES outputs of `depth` tokens and checks them against the target's own
+    distribution (chi-square); returns the requests' stats."""
+    exact = exact_outcomes(model, params, depth)
 
     def one(seed):
-        _, result = generate(stub, token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=2, num_speculative_tokens=2,
-                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return list(result.token_ids), result.stats
+        _, result = generate(stub, token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=depth, num_speculative_tokens=k,
+                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+        return tuple(result.token_ids), result.stats
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(SAMPLES)))
     counts = dict.fromkeys(exact, 0)
     for tokens, _ in results:
-        counts[tuple(tokens)] += 1
+        # Outputs the processing rules out (top-k / top-p) must never occur.
+        assert tokens in counts, f"{tokens} has probability 0 under the target"
+        counts[tokens] += 1
     drafted = sum(s.draft_tokens for _, s in results)
     accepted = sum(s.accepted_tokens for _, s in results)
     # Rejections must be common, or the residual distribution would go untested.
@@ -70,22 +78,37 @@ def test_distribution_matches_target(micro_cluster, micro_pair, temperature, top
     # Pool the cells too rare for the chi-square approximation.
     expected = np.array(list(exact.values())) * SAMPLES
     observed = np.array([counts[o] for o in exact])
-    # Outputs the processing rules out (top-k / top-p) must never occur.
-    assert observed[expected == 0].sum() == 0
-    rare = (expected < 5) & (expected > 0)
-    keep = expected >= 5
+    rare, keep = expected < 5, expected >= 5
     if rare.any():
         observed = np.append(observed[keep], observed[rare].sum())
         expected = np.append(expected[keep], expected[rare].sum())
-    else:
-        observed, expected = observed[keep], expected[keep]
     expected *= observed.sum() / expected.sum()  # float rounding only
     assert stats.chisquare(observed, expected).pvalue > 1e-3
+    return [s for _, s in results]
 
 
-def test_seed_reproduces_output(micro_cluster):
-    cluster, o = micro_cluster
-    stub = cluster.orchestrator_stub(o)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 5, 0.9)])
+def test_distribution_matches_target(micro_cluster, micro_pair, temperature, top_k, top_p):
+    params = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    check_distribution(micro_cluster.orchestrator_stub(micro_cluster.roles["plain"]), micro_pair[2], params,
+                       depth=2, k=2)
+
+
+def test_overlap_distribution_matches_target(micro_cluster, micro_pair):
+    """With --overlap, a round's drafts may come from the drafter's guess of the last
+    round's outcome; they are used only when the guess held, and the output keeps the
+    target's distribution. Four tokens at K=1 let the third round use drafted-ahead
+    drafts; top-k 3 keeps the outcomes few enough to count."""
+    params = common_pb2.SamplingParams(temperature=1.0, top_k=3, top_p=1.0)
+    results = check_distribution(micro_cluster.orchestrator_stub(micro_cluster.roles["overlap"]), micro_pair[2],
+                                 params, depth=4, k=1)
+    assert sum(s.lookaheads for s in results) > 0
+    assert sum(s.lookahead_hits for s in results) > 0  # the drafted-ahead path ran
+
+
+@pytest.mark.parametrize("role", ["plain", "overlap"])
+def test_seed_reproduces_output(micro_cluster, role):
+    stub = micro_cluster.orchestrator_stub(micro_cluster.roles[role])
 
     def run(seed, k):
         return list(generate(stub, token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=30, temperature=1.0,

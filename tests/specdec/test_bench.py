@@ -27,8 +27,10 @@ def test_bench_runs_every_variant_and_they_agree(tiny_pair, tmp_path):
         row = variants[name]
         assert row["rounds"] > 0 and len(row["acceptance_per_position"]) == 3
         assert 0 <= row["acceptance"] <= 1 and row["bound"] > 0
-    # The in-process loop and the services run the same round: same acceptance.
-    assert variants["inprocess"]["acceptance"] == variants["grpc"]["acceptance"]
+    # The in-process loop and the services run the same round: same acceptance, with
+    # or without drafting ahead.
+    assert variants["inprocess"]["acceptance"] == variants["grpc"]["acceptance"] == variants["overlap"]["acceptance"]
+    assert variants["overlap"]["lookaheads"] > 0 and "lookaheads" not in variants["grpc"]
     assert 0 < report["summary"]["c"] and 0 < report["summary"]["verify_cost"]
     table = (out / "bench.md").read_text()
     assert all(f"| {name} |" in table for name in bench.VARIANTS)

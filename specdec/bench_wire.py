@@ -1,0 +1,164 @@
+"""What one round costs on the wire: `python -m specdec.bench_wire`.
+
+A server process answers the round's two calls with canned replies (no model), so what
+is timed is gRPC, protobuf and the event loops on both sides, over loopback:
+
+  calls    today's round: Propose as a server stream of K drafts, then a unary Verify
+  streams  the same messages over two long-lived bidirectional streams per session
+           (one request and its replies per round on each)
+
+for greedy rounds (token ids only) and sampled ones (each draft with a sparse q of
+--support entries). Prints milliseconds per round (median and p90) for each."""
+
+import argparse
+import asyncio
+import multiprocessing
+import statistics
+import sys
+import time
+
+import grpc
+
+from specdec.common.v1 import common_pb2
+from specdec.drafter.v1 import drafter_pb2
+from specdec.verifier.v1 import verifier_pb2
+
+HOST = "127.0.0.1"
+SERVICE = "specdec.bench.Wire"
+
+
+def _draft(k: int, support: int, i: int) -> drafter_pb2.ProposeResponse:
+    q = common_pb2.SparseDistribution(token_ids=range(support), probs=[1.0 / support] * support) if support else None
+    return drafter_pb2.ProposeResponse(token_id=100 + i, q=q)
+
+
+def _handlers(k: int, support: int):
+    drafts = [_draft(k, support, i) for i in range(k)]
+    verdict = verifier_pb2.VerifyResponse(num_accepted=k // 2, next_token=7)
+
+    async def propose(request, context):
+        for draft in drafts[:request.num_draft_tokens]:
+            yield draft
+
+    async def verify(request, context):
+        return verdict
+
+    async def propose_stream(requests, context):
+        async for request in requests:
+            for draft in drafts[:request.num_draft_tokens]:
+                yield draft
+
+    async def verify_stream(requests, context):
+        async for request in requests:
+            yield verdict
+
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Propose": grpc.unary_stream_rpc_method_handler(
+            propose, drafter_pb2.ProposeRequest.FromString, drafter_pb2.ProposeResponse.SerializeToString),
+        "Verify": grpc.unary_unary_rpc_method_handler(
+            verify, verifier_pb2.VerifyRequest.FromString, verifier_pb2.VerifyResponse.SerializeToString),
+        "ProposeStream": grpc.stream_stream_rpc_method_handler(
+            propose_stream, drafter_pb2.ProposeRequest.FromString, drafter_pb2.ProposeResponse.SerializeToString),
+        "VerifyStream": grpc.stream_stream_rpc_method_handler(
+            verify_stream, verifier_pb2.VerifyRequest.FromString, verifier_pb2.VerifyResponse.SerializeToString),
+    })
+
+
+def _serve(port_out, k: int, support: int) -> None:
+    async def main():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([_handlers(k, support)])
+        port = server.add_insecure_port(f"{HOST}:0")
+        await server.start()
+        port_out.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _requests(k: int, support: int):
+    sampling = common_pb2.SamplingParams(temperature=0.7 if support else 0.0, top_p=1.0)
+    propose = drafter_pb2.ProposeRequest(session_id="s", start=100, new_tokens=[1, 2, 3], num_draft_tokens=k,
+                                         sampling=sampling)
+    qs = [_draft(k, support, i).q for i in range(k)] if support else []
+    verify = verifier_pb2.VerifyRequest(session_id="s", start=100, new_tokens=[1, 2, 3],
+                                        draft_tokens=[100 + i for i in range(k)], draft_probs=qs, sampling=sampling)
+    return propose, verify
+
+
+async def _time_rounds(address: str, k: int, support: int, rounds: int) -> dict[str, list[float]]:
+    propose_req, verify_req = _requests(k, support)
+    async with grpc.aio.insecure_channel(address) as channel:
+        propose = channel.unary_stream(f"/{SERVICE}/Propose", drafter_pb2.ProposeRequest.SerializeToString,
+                                       drafter_pb2.ProposeResponse.FromString)
+        verify = channel.unary_unary(f"/{SERVICE}/Verify", verifier_pb2.VerifyRequest.SerializeToString,
+                                     verifier_pb2.VerifyResponse.FromString)
+        propose_stream = channel.stream_stream(f"/{SERVICE}/ProposeStream",
+                                               drafter_pb2.ProposeRequest.SerializeToString,
+                                               drafter_pb2.ProposeResponse.FromString)()
+        verify_stream = channel.stream_stream(f"/{SERVICE}/VerifyStream", verifier_pb2.VerifyRequest.SerializeToString,
+                                              verifier_pb2.VerifyResponse.FromString)()
+
+        async def by_calls():
+            drafts = [d async for d in propose(propose_req)]
+            assert len(drafts) == k
+            await verify(verify_req)
+
+        async def by_streams():
+            await propose_stream.write(propose_req)
+            for _ in range(k):
+                await propose_stream.read()
+            await verify_stream.write(verify_req)
+            await verify_stream.read()
+
+        times = {"calls": [], "streams": []}
+        for _ in range(20):  # connections, first-call costs
+            await by_calls()
+            await by_streams()
+        for _ in range(rounds):  # interleaved, so that drift hits both alike
+            for name, one_round in (("calls", by_calls), ("streams", by_streams)):
+                started = time.perf_counter()
+                await one_round()
+                times[name].append(time.perf_counter() - started)
+        await propose_stream.done_writing()
+        await verify_stream.done_writing()
+        return times
+
+
+def measure(k: int, support: int, rounds: int) -> dict[str, dict[str, float]]:
+    ctx = multiprocessing.get_context("spawn")
+    port = ctx.Queue()
+    server = ctx.Process(target=_serve, args=(port, k, support), daemon=True)
+    server.start()
+    try:
+        times = asyncio.run(_time_rounds(f"{HOST}:{port.get(timeout=60)}", k, support, rounds))
+    finally:
+        server.terminate()
+        server.join()
+    out = {}
+    for name, values in times.items():
+        values = sorted(values)
+        out[name] = {"median_ms": statistics.median(values) * 1e3, "p90_ms": values[int(0.9 * (len(values) - 1))] * 1e3}
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench_wire", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--support", type=int, default=64, help="entries of each sparse q when sampling")
+    parser.add_argument("--rounds", type=int, default=500)
+    args = parser.parse_args(argv)
+    print(f"K={args.k}, {args.rounds} rounds each, interleaved; ms per round (median / p90)")
+    print("| rounds | calls (today) | streams | streams save |")
+    print("|---|---|---|---|")
+    for label, support in (("greedy", 0), (f"sampled, q of {args.support}", args.support)):
+        r = measure(args.k, support, args.rounds)
+        saved = r["calls"]["median_ms"] - r["streams"]["median_ms"]
+        print(f"| {label} | {r['calls']['median_ms']:.2f} / {r['calls']['p90_ms']:.2f} | "
+              f"{r['streams']['median_ms']:.2f} / {r['streams']['p90_ms']:.2f} | {saved:.2f} ms |", flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
