@@ -12,7 +12,6 @@ current set (a hiccup must not empty the pool)."""
 import asyncio
 import logging
 import socket
-from typing import Awaitable, Callable
 
 from orchestrator.pool import DrafterPool
 
