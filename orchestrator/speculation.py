@@ -34,6 +34,8 @@ class Stats:
     accepted_per_position: list[int] = field(default_factory=list)
     lookaheads: int = 0  # rounds drafted ahead, while the previous round was verified
     lookahead_hits: int = 0  # of those, rounds whose guess held and whose drafts were used
+    draft_s: float = 0.0  # time the rounds waited on the drafter
+    verify_s: float = 0.0  # and on the verifier
 
     def record(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -223,11 +225,14 @@ async def speculate(
                 stats.lookaheads += 1
             # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
             accepted, next_token = await verifier.verify(history, drafts, qs)
-            policy.observe(len(drafts), accepted, drafted - started if drafts else None,
-                           time.perf_counter() - drafted)
+            verified = time.perf_counter()
+            policy.observe(len(drafts), accepted, drafted - started if drafts else None, verified - drafted)
+            stats.draft_s += drafted - started
+            stats.verify_s += verified - drafted
             stats.record(len(drafts), accepted)
             if lookahead is not None:
                 ahead, lookahead = await lookahead.take(accepted, next_token), None
+                stats.draft_s += time.perf_counter() - verified
                 stats.lookahead_hits += ahead is not None
             # 3. Commit: the accepted drafts and the correction (or bonus) token.
             new = drafts[:accepted] + [next_token]

@@ -61,6 +61,8 @@ class Run:
     accepted_per_position: list[int] = field(default_factory=list)
     lookaheads: int = 0
     lookahead_hits: int = 0
+    draft_s: float = 0.0  # waiting on the drafter, summed over rounds
+    verify_s: float = 0.0  # waiting on the verifier
 
     @property
     def tokens_per_s(self) -> float:
@@ -137,7 +139,8 @@ def run_inprocess(index: int, target, proposer, ids: list[int], max_new_tokens: 
 
     wall = asyncio.run(go())
     return Run("inprocess", index, tokens, wall, arrivals, stats.rounds, stats.draft_tokens,
-               stats.accepted_tokens, list(stats.accepted_per_position))
+               stats.accepted_tokens, list(stats.accepted_per_position), draft_s=stats.draft_s,
+               verify_s=stats.verify_s)
 
 
 def run_grpc(variant: str, index: int, stub, ids: list[int], max_new_tokens: int, k: int | None) -> Run:
@@ -155,7 +158,8 @@ def run_grpc(variant: str, index: int, stub, ids: list[int], max_new_tokens: int
     wall = time.perf_counter() - started
     stats = result.stats
     return Run(variant, index, tokens, wall, arrivals, stats.rounds, stats.draft_tokens, stats.accepted_tokens,
-               list(stats.accepted_per_position), stats.lookaheads, stats.lookahead_hits)
+               list(stats.accepted_per_position), stats.lookaheads, stats.lookahead_hits, stats.draft_seconds,
+               stats.verify_seconds)
 
 
 @torch.inference_mode()
@@ -231,11 +235,14 @@ def summarize(runs: list[Run], reference: dict[int, list[int]], k: int, costs: d
                     per_position[i] += n
             row.update({
                 "rounds": rounds,
+                "draft_tokens": drafted,
                 "acceptance": accepted / drafted if drafted else 0.0,
                 "acceptance_per_position": [n / rounds for n in per_position],
                 "mean_accepted_length": accepted / rounds,
                 "tokens_per_round": sum(len(r.tokens) for r in mine) / rounds,
                 "round_s": sum(r.wall_s for r in mine) / rounds,
+                "drafter_s_per_round": sum(r.draft_s for r in mine) / rounds,
+                "verifier_s_per_round": sum(r.verify_s for r in mine) / rounds,
             })
         lookaheads = sum(r.lookaheads for r in mine)
         if lookaheads:
@@ -284,6 +291,19 @@ def markdown(summary: dict, meta: dict) -> str:
             f"{row['itl_s_p90'] * 1e3:.0f}/{row['itl_s_p99'] * 1e3:.0f} | {opt('acceptance', '{:.2f}')} | "
             f"{opt('mean_accepted_length', '{:.2f}')} | {per_position} | {network} | {opt('bound', '{:.2f}x')} | "
             f"{opt('fraction_of_bound', '{:.0%}')} | {row['same_tokens_as_target']} |")
+    costs = summary["costs_s"]
+    lines += ["", "Where a round's time goes, ms per round (model: the same steps timed alone; the rest of a call is "
+                  "the service, the network and waiting for the cores):", "",
+              "| variant | round | drafter calls | of which K draft steps | verifier calls | of which the verify pass "
+              "| orchestrator and client |", "|---|---|---|---|---|---|---|"]
+    for name, row in summary["variants"].items():
+        if name not in ("inprocess", "grpc", "overlap") or "drafter_s_per_round" not in row:
+            continue  # the model draft at the fixed K only: the step costs were timed for it
+        drafter, verifier = row["drafter_s_per_round"], row["verifier_s_per_round"]
+        steps = row["draft_tokens"] / row["rounds"] * costs["draft_step"]
+        lines.append(f"| {name} | {row['round_s'] * 1e3:.1f} | {drafter * 1e3:.1f} | {steps * 1e3:.1f} | "
+                     f"{verifier * 1e3:.1f} | {costs['verify'] * 1e3:.1f} | "
+                     f"{(row['round_s'] - drafter - verifier) * 1e3:.1f} |")
     for name, row in summary["variants"].items():
         if "lookaheads" in row:
             lines += ["", f"{name}: {row['lookahead_hits']} of {row['lookaheads']} rounds drafted ahead were used "

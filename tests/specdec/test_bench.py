@@ -32,6 +32,10 @@ def test_bench_runs_every_variant_and_they_agree(tiny_pair, tmp_path):
     assert variants["inprocess"]["acceptance"] == variants["grpc"]["acceptance"] == variants["overlap"]["acceptance"]
     assert variants["overlap"]["lookaheads"] > 0 and "lookaheads" not in variants["grpc"]
     assert 0 < report["summary"]["c"] and 0 < report["summary"]["verify_cost"]
+    for name in ("inprocess", "grpc", "overlap"):
+        row = variants[name]
+        assert 0 < row["drafter_s_per_round"] and 0 < row["verifier_s_per_round"]
+        assert row["drafter_s_per_round"] + row["verifier_s_per_round"] < row["round_s"]
     table = (out / "bench.md").read_text()
     assert all(f"| {name} |" in table for name in bench.VARIANTS)
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
