@@ -324,11 +324,13 @@ def chart(summary: dict, path: Path) -> None:
     left.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     left.set_ylabel("speedup over the target alone (median)")
     left.set_title("Speedup per variant")
+    left.tick_params(axis="x", labelrotation=30)
     for name in names:
         if "acceptance_per_position" in variants[name]:
             per = variants[name]["acceptance_per_position"]
             right.plot(range(1, len(per) + 1), per, marker="o", label=name)
     right.set_xlabel("draft position")
+    right.xaxis.get_major_locator().set_params(integer=True)
     right.set_ylabel("fraction of rounds accepting it")
     right.set_ylim(0, 1)
     right.set_title("Acceptance per draft position")
