@@ -104,8 +104,8 @@ def _assembled(partial: Path) -> Path:
     borrowed = json.loads((partial / "borrowed.json").read_text())
     source = Path(resolve(borrowed["from"]))
     digest = hashlib.sha256()
-    for name in ("borrowed.json", "config.json", "model.safetensors"):
-        digest.update(_file_digest(partial / name).encode())
+    for path in sorted(p for p in partial.iterdir() if p.is_file()):  # every file is copied: any change is new
+        digest.update(path.name.encode() + _file_digest(path).encode())
     digest.update(str(source).encode())
     target = cache_root() / "assembled" / f"{partial.name}-{digest.hexdigest()[:16]}"
     if (target / "config.json").exists():

@@ -3,9 +3,9 @@
 The draft is the target's embedding, its first `--layers` decoder layers (trained), its
 final norm (trained) and its tied output head. Only the trained layers and norm are
 shipped; the embedding is borrowed from the installed target when the draft is first
-loaded (`borrowed.json`, see specdec.modeling). The drafter scores only the `--vocab`
-tokens the target uses most (`draft_vocab.json`): on a CPU the 49k-row head is a large
-part of a small model's step.
+loaded (`borrowed.json`, see specdec.modeling). It trains over the `--vocab`
+tokens the target uses most, and drafts from the `--serve-vocab` most used of those
+(`draft_vocab.json`): on a CPU the 49k-row head is a large part of a small model's step.
 
 Loss: cross-entropy of the draft's distribution (over its vocabulary) against the
 target's, from the target's top-k logits at every position of the data (data.py),
@@ -182,7 +182,10 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--layers", default="0,1", help="target layers the draft starts from")
-    parser.add_argument("--vocab", type=int, default=12288, help="size of the draft vocabulary")
+    parser.add_argument("--vocab", type=int, default=12288, help="size of the draft vocabulary it trains over")
+    parser.add_argument("--serve-vocab", type=int, default=8192,
+                        help="size of the vocabulary it drafts from (the most used of --vocab): a smaller head "
+                             "is a cheaper step, and the tokens left out are ones it rarely predicts")
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--epochs", type=float, default=6)
     parser.add_argument("--steps", type=int, default=None,
@@ -264,13 +267,19 @@ def main(argv=None):
             if step >= total or (not args.steps and time.monotonic() >= deadline):
                 break
     bar.close()
+    served = draft_vocabulary(chat, text, min(args.serve_vocab, len(vocab)), len(index_of), always)
+    served_index = torch.full_like(index_of, -1)
+    served_index[served] = torch.arange(len(served))
+    served_result = acceptance(student.eval(), embed[served], served, served_index, refs)
+    log.info("held-out drafting from the %d most used tokens: %s", len(served), served_result)
     meta = {"command": " ".join(["python -m drafter_service.distill.train"] + (argv or sys.argv[1:])),
-            "layers": args.layers, "vocab": len(vocab), "steps": step, "epochs": step / steps_per_epoch,
+            "layers": args.layers, "vocab": len(vocab), "served_vocab": len(served),
+            "steps": step, "epochs": step / steps_per_epoch,
             "minutes": round((time.monotonic() - started) / 60, 1),
             "data": {"chat_answers": len(chat), "chat_positions": sum(len(r["top_ids"]) for r in chat),
                      "text_windows": len(text), "text_positions": sum(len(r["top_ids"]) for r in text)},
-            "held_out": curve[-1], "curve": curve}
-    save(student, vocab, args.out, args.target, meta)
+            "held_out": curve[-1], "held_out_served_vocab": served_result, "curve": curve}
+    save(student, served, args.out, args.target, meta)
     log.info("saved to %s: %s", args.out, curve[-1])
 
 

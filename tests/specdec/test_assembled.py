@@ -1,0 +1,37 @@
+"""A model directory that borrows tensors and the tokenizer from another model
+(borrowed.json) is assembled once into the cache and loaded like any model; changing
+any of its files gives a new assembly, never a stale one."""
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from specdec import modeling
+
+
+def test_borrowing_directory_is_assembled_and_follows_its_files(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    target_dir, _, target = tiny_pair
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    state = {k: v.contiguous() for k, v in target.state_dict().items() if k != "model.embed_tokens.weight"}
+    save_file(state, partial / "model.safetensors", metadata={"format": "pt"})
+    (partial / "config.json").write_text(json.dumps(target.config.to_dict()))
+    (partial / "borrowed.json").write_text(json.dumps(
+        {"from": str(target_dir), "tensors": ["model.embed_tokens.weight"], "tokenizer": True}))
+    (partial / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, 2, 5, 7]}))
+
+    first = modeling.resolve(str(partial))
+    assert first == modeling.resolve(str(partial))  # cached
+    model, tokenizer = modeling.load_model(str(partial))
+    assert modeling.vocab_fingerprint(tokenizer) == modeling.vocab_fingerprint(modeling.load_tokenizer(str(target_dir)))
+    ids = torch.tensor([[5, 9, 11, 3]])
+    with torch.inference_mode():
+        assert torch.allclose(model(ids).logits, target(ids).logits, atol=1e-5)
+    assert modeling.restrict_output(model, str(partial)).tolist() == [0, 2, 5, 7]
+
+    (partial / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, 2, 5]}))
+    assert modeling.resolve(str(partial)) != first
+    model, _ = modeling.load_model(str(partial))
+    assert modeling.restrict_output(model, str(partial)).tolist() == [0, 2, 5]
