@@ -213,14 +213,17 @@ async def speculate(
             # 1. Propose: the drafter extends the history by k_round draft tokens (or
             # already did, during the last round's verification).
             started = time.perf_counter()
+            ready, ahead = ahead, None  # drafted for this round only
             if k_round <= 0:
                 drafts, qs = [], []
-            elif ahead is not None:
-                drafts, qs = ahead[0][:k_round], ahead[1][:k_round]
+            elif ready is not None:
+                drafts, qs = ready[0][:k_round], ready[1][:k_round]
+                stats.lookahead_hits += 1
             else:
                 drafts, qs = await drafter.propose(history, k_round)
             drafted = time.perf_counter()
-            if overlap and k_round > 0 and produced + k_round + 1 < max_new_tokens:
+            # Look ahead only if the next round, after a whole pass, could still draft.
+            if overlap and k_round > 0 and produced + k_round + 2 < max_new_tokens:
                 lookahead = _Lookahead(drafter, history, drafts, k_round)
                 stats.lookaheads += 1
             # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
@@ -233,7 +236,6 @@ async def speculate(
             if lookahead is not None:
                 ahead, lookahead = await lookahead.take(accepted, next_token), None
                 stats.draft_s += time.perf_counter() - verified
-                stats.lookahead_hits += ahead is not None
             # 3. Commit: the accepted drafts and the correction (or bonus) token.
             new = drafts[:accepted] + [next_token]
             for i, token in enumerate(new):

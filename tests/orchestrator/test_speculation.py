@@ -1,0 +1,110 @@
+"""The speculative loop on its own, with both services replaced by deterministic fakes:
+the output is the target's, and with overlap every draft the verifier sees was drafted
+for exactly the history it is verified against (drafts made ahead are used only for the
+round they were made for)."""
+
+import asyncio
+
+import pytest
+
+from orchestrator.speculation import Stats, speculate
+
+VOCAB = 50
+
+
+def target_next(history: list[int]) -> int:
+    return (sum(history) * 31 + len(history)) % VOCAB
+
+
+def draft_next(history: list[int]) -> int:
+    # Wrong at about one position in four, unevenly: rounds pass whole sometimes, and
+    # fail sometimes.
+    token = target_next(history)
+    return (token + 1) % VOCAB if sum((i + 1) * x for i, x in enumerate(history)) % 4 == 0 else token
+
+
+class FakeDrafter:
+    def __init__(self):
+        self.drafted_for: dict[tuple, list[int]] = {}  # a history -> the drafts made after it
+        self.calls = 0
+
+    async def propose(self, history, k, committed=None):
+        self.calls += 1
+        await asyncio.sleep(0)
+        out = []
+        for _ in range(k):
+            out.append(draft_next(history + out))
+        for i in range(len(out)):
+            self.drafted_for[tuple(history + out[:i])] = out[i:]
+        return out, []
+
+
+class FakeVerifier:
+    def __init__(self, drafter: FakeDrafter):
+        self.drafter = drafter
+
+    async def verify(self, history, drafts, qs):
+        await asyncio.sleep(0)
+        if drafts:
+            assert drafts == self.drafter.drafted_for[tuple(history)][:len(drafts)], "drafts made for another history"
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == target_next(history + drafts[:accepted]):
+            accepted += 1
+        return accepted, target_next(history + drafts[:accepted])
+
+
+class Cycle:
+    """K per round from a fixed cycle, zeros included."""
+
+    def __init__(self, ks):
+        self.ks, self.round = ks, 0
+
+    def choose(self):
+        self.round += 1
+        return self.ks[(self.round - 1) % len(self.ks)]
+
+    def observe(self, *args):
+        pass
+
+
+def run(prompt, max_new, policy, overlap):
+    drafter = FakeDrafter()
+    stats = Stats()
+
+    async def go():
+        out = []
+        async for new in speculate(prompt, max_new, policy, set(), drafter, FakeVerifier(drafter), stats, overlap):
+            out.extend(new)
+        return out
+
+    return asyncio.run(go()), stats, drafter
+
+
+def reference(prompt, max_new):
+    history = list(prompt)
+    for _ in range(max_new):
+        history.append(target_next(history))
+    return history[len(prompt):]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("ks", [[2], [3, 0, 2, 0, 0, 1], [1, 4]])
+def test_output_is_the_targets_and_drafts_match_their_history(overlap, ks):
+    prompt = [3, 1, 4, 1, 5]
+    out, stats, _ = run(prompt, 60, Cycle(ks), overlap)
+    assert out == reference(prompt, 60)
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    if overlap:
+        assert 0 < stats.lookahead_hits < stats.lookaheads
+    else:
+        assert stats.lookaheads == 0
+
+
+def test_a_used_lookahead_saves_the_drafter_call():
+    prompt = [2, 7, 1, 8]
+    _, plain_stats, plain = run(prompt, 60, Cycle([2]), overlap=False)
+    _, stats, overlapped = run(prompt, 60, Cycle([2]), overlap=True)
+    # The same rounds; each that drafts either used drafts made ahead or called the
+    # drafter itself, and each look-ahead is one more call.
+    assert stats.rounds == plain_stats.rounds and stats.lookahead_hits > 0
+    assert overlapped.calls == plain.calls - stats.lookahead_hits + stats.lookaheads
