@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import multiprocessing
 import statistics
-import sys
 import time
 
 import grpc
@@ -27,13 +26,13 @@ HOST = "127.0.0.1"
 SERVICE = "specdec.bench.Wire"
 
 
-def _draft(k: int, support: int, i: int) -> drafter_pb2.ProposeResponse:
+def _draft(support: int, i: int) -> drafter_pb2.ProposeResponse:
     q = common_pb2.SparseDistribution(token_ids=range(support), probs=[1.0 / support] * support) if support else None
     return drafter_pb2.ProposeResponse(token_id=100 + i, q=q)
 
 
 def _handlers(k: int, support: int):
-    drafts = [_draft(k, support, i) for i in range(k)]
+    drafts = [_draft(support, i) for i in range(k)]
     verdict = verifier_pb2.VerifyResponse(num_accepted=k // 2, next_token=7)
 
     async def propose(request, context):
@@ -80,7 +79,7 @@ def _requests(k: int, support: int):
     sampling = common_pb2.SamplingParams(temperature=0.7 if support else 0.0, top_p=1.0)
     propose = drafter_pb2.ProposeRequest(session_id="s", start=100, new_tokens=[1, 2, 3], num_draft_tokens=k,
                                          sampling=sampling)
-    qs = [_draft(k, support, i).q for i in range(k)] if support else []
+    qs = [_draft(support, i).q for i in range(k)] if support else []
     verify = verifier_pb2.VerifyRequest(session_id="s", start=100, new_tokens=[1, 2, 3],
                                         draft_tokens=[100 + i for i in range(k)], draft_probs=qs, sampling=sampling)
     return propose, verify
@@ -157,7 +156,6 @@ def main(argv=None) -> None:
         saved = r["calls"]["median_ms"] - r["streams"]["median_ms"]
         print(f"| {label} | {r['calls']['median_ms']:.2f} / {r['calls']['p90_ms']:.2f} | "
               f"{r['streams']['median_ms']:.2f} / {r['streams']['p90_ms']:.2f} | {saved:.2f} ms |", flush=True)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
