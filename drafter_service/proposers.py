@@ -1,16 +1,19 @@
 """Proposers: whatever produces draft tokens sits behind this one interface.
 
 A proposer keeps nothing between calls except the per-session TokenSequence the service
-hands it; the service syncs that sequence with the committed history before `propose`."""
+hands it; the service syncs that sequence with the committed history before `propose`.
+A model proposer runs its steps through the batching engine, so the draft steps of
+sessions drafting at the same time share forward passes."""
 
 import abc
-from typing import Iterator
+from typing import AsyncIterator
 
 import torch
 
 from specdec import modeling, sampling
 from specdec.common.v1 import common_pb2
-from specdec.kv import CachedSequence, TokenSequence
+from specdec.engine import Engine
+from specdec.kv import PagedSequence, TokenSequence
 
 # One draft token, and the sparse distribution it was sampled from (None: one-hot).
 Draft = tuple[int, common_pb2.SparseDistribution | None]
@@ -23,8 +26,11 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def new_sequence(self) -> TokenSequence: ...
 
+    def release(self, seq: TokenSequence) -> None:
+        """A session closed: give back what its sequence holds."""
+
     @abc.abstractmethod
-    def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> Iterator[Draft]:
+    def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
         """Yields up to k draft tokens following seq.tokens, appending each to seq."""
 
 
@@ -35,9 +41,9 @@ class ModelProposer(Proposer):
     head was cut to a draft vocabulary (`output_ids`: the token id of each logit) drafts
     from that vocabulary only; q is zero elsewhere, which the verifier's rule allows."""
 
-    def __init__(self, model, tokenizer, name: str, max_support: int = 64,
+    def __init__(self, engine: Engine, tokenizer, name: str, max_support: int = 64,
                  output_ids: torch.Tensor | None = None):
-        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.engine, self.model, self.tokenizer, self.name = engine, engine.model, tokenizer, name
         self.max_support, self.output_ids = max_support, output_ids
 
     def _token(self, index: torch.Tensor):
@@ -46,13 +52,16 @@ class ModelProposer(Proposer):
     def info(self) -> common_pb2.ModelInfo:
         return modeling.model_info(self.model, self.tokenizer, self.name, "model")
 
-    def new_sequence(self) -> CachedSequence:
-        return CachedSequence(self.model)
+    def new_sequence(self) -> PagedSequence:
+        return self.engine.new_sequence()
 
-    def propose(self, seq: CachedSequence, k: int, params: common_pb2.SamplingParams) -> Iterator[Draft]:
+    def release(self, seq: PagedSequence) -> None:
+        self.engine.release(seq)
+
+    async def propose(self, seq: PagedSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
         draws = sampling.Draws(params.seed, "draft")
         for _ in range(k):
-            logits = seq.logits(1)[0]  # [vocab]
+            logits = (await seq.logits(1))[0][0]  # [vocab]
             if sampling.is_greedy(params):
                 token, q = int(self._token(logits.argmax())), None
             else:
@@ -90,7 +99,7 @@ class NgramProposer(Proposer):
                     return tokens[i + n:i + n + k]
         return []
 
-    def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> Iterator[Draft]:
+    async def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
         for token in self.lookup(seq.tokens, k):
             seq.extend([token])
             yield token, None

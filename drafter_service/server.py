@@ -1,5 +1,6 @@
-"""The drafter's gRPC server: sessions, each a token sequence (and KV cache) that a
-proposer extends with draft tokens."""
+"""The drafter's gRPC server: sessions, each a token sequence (and its keys and values in
+the draft model's KV pool) that a proposer extends with draft tokens; the draft steps of
+sessions drafting at the same time share forward passes."""
 
 import argparse
 import asyncio
@@ -21,8 +22,8 @@ MAX_DRAFT_TOKENS = 64
 class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
     pb = drafter_pb2
 
-    def __init__(self, worker: server.ModelWorker):
-        super().__init__(worker)
+    def __init__(self):
+        super().__init__()
         self.proposer: Proposer | None = None
 
     def ready(self, proposer: Proposer, store: SessionStore) -> None:
@@ -41,15 +42,11 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
             check_length("new_tokens", request.start + len(request.new_tokens), self.info)
             session = self.store.get(request.session_id, request.start)
-            async with session.lock:
+            async with session.lock:  # a cancelled call's last step is over before the next call syncs
                 seq = session.state
-                # Every change to a session's cache runs on the model thread, in order: a
-                # cancelled call's last step may still be running there.
-                await self.worker.run(seq.sync, request.start, list(request.new_tokens))
+                seq.sync(request.start, list(request.new_tokens))
                 k = min(k, self.info.max_positions - len(seq.tokens))
-                drafts = self.proposer.propose(seq, k, request.sampling)
-                while (draft := await self.worker.run(next, drafts, None)) is not None:
-                    token, q = draft
+                async for token, q in self.proposer.propose(seq, k, request.sampling):
                     yield drafter_pb2.ProposeResponse(token_id=token, q=q)
         except ServiceError as err:
             await abort(context, err)
@@ -80,19 +77,22 @@ def make_proposer(args) -> Proposer:
         raise SystemExit("--proposer model needs --model")
     model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
     output_ids = modeling.restrict_output(model, args.model)
-    return ModelProposer(model, tokenizer, args.model, args.max_draft_support, output_ids)
+    return ModelProposer(server.engine(model, args), tokenizer, args.model, args.max_draft_support, output_ids)
 
 
 async def serve(args, on_listen=None) -> None:
-    servicer = DrafterServicer(server.ModelWorker())
+    servicer = DrafterServicer()
 
     async def load():
         proposer = await asyncio.to_thread(make_proposer, args)
         # Warm up: a few drafts on a throwaway sequence, so the first request is not slow.
         seq = proposer.new_sequence()
         seq.sync(0, [0, 1, 0, 1])
-        await servicer.worker.run(list, proposer.propose(seq, 2, common_pb2.SamplingParams(top_p=1.0)))
-        servicer.ready(proposer, SessionStore(proposer.new_sequence, args.max_sessions, args.session_idle_timeout))
+        async for _ in proposer.propose(seq, 2, common_pb2.SamplingParams(top_p=1.0)):
+            pass
+        proposer.release(seq)
+        servicer.ready(proposer, SessionStore(proposer.new_sequence, args.max_sessions, args.session_idle_timeout,
+                                              release=proposer.release))
 
     await server.serve(
         name="drafter", host=args.host, port=args.port,

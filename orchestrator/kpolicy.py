@@ -3,13 +3,16 @@
 A request that sets num_speculative_tokens gets exactly that K. Otherwise K is chosen
 each round to maximise committed tokens per second,
 
-    E(alpha, K) / (t_draft(K) + t_verify(K)),   E = (1 - alpha^(K+1)) / (1 - alpha),
+    E(alpha, K) / (t_draft(K) + t_pass(R (K+1)) + t_call),   E = (1 - alpha^(K+1)) / (1 - alpha),
 
-Leviathan's expected tokens per round over the round's measured time: the drafter and
-verifier calls as the orchestrator sees them, network included. K = 0 (the target
-alone) wins when speculation does not pay. Call costs belong to the deployment and are
-shared by all requests (RoundCosts); alpha belongs to the request, starting from the
-deployment's running average."""
+Leviathan's expected tokens per round over the round's measured time: the drafter call,
+the verifier's batched forward pass when each of its R rows verifies K+1 tokens, and
+what a verifier call takes beyond its pass (network, waiting for the pass). The verifier
+reports every pass (rows, tokens, seconds), so the price of K follows the load: as more
+sessions share a pass, each extra draft token lengthens every session's pass, and K
+falls smoothly to 0 (the target alone) where speculation stops paying; at one stream it
+is the unbatched rule. Costs belong to the deployment and are shared by all requests
+(RoundCosts); alpha belongs to the request, starting from the deployment's average."""
 
 import random
 from dataclasses import dataclass, field
@@ -23,46 +26,80 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 @dataclass
-class _Line:
-    """Running averages of a cost per K, read as a line in K (least squares over the Ks
-    seen; flat when only one K was seen)."""
+class _Curve:
+    """Running averages of a cost at the points x seen (K, or tokens in a pass): exact
+    where seen, linear between neighbours, and beyond the ends the least-squares slope
+    over all points (never negative; flat with one point)."""
     decay: float = 0.9
-    by_k: dict[int, float] = field(default_factory=dict)
+    at: dict[int, float] = field(default_factory=dict)
 
-    def add(self, k: int, seconds: float) -> None:
-        old = self.by_k.get(k)
-        self.by_k[k] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+    def add(self, x: int, seconds: float) -> None:
+        old = self.at.get(x)
+        self.at[x] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
-    def __call__(self, k: int) -> float | None:
-        if not self.by_k:
+    def __call__(self, x: float) -> float | None:
+        if not self.at:
             return None
-        if k in self.by_k:
-            return self.by_k[k]
-        ks = list(self.by_k)
-        if len(ks) == 1:
-            return self.by_k[ks[0]]
-        mean_k = sum(ks) / len(ks)
-        mean_t = sum(self.by_k.values()) / len(ks)
-        slope = sum((x - mean_k) * (self.by_k[x] - mean_t) for x in ks) / sum((x - mean_k) ** 2 for x in ks)
-        return max(0.0, mean_t + max(0.0, slope) * (k - mean_k))
+        xs = sorted(self.at)
+        if xs[0] <= x <= xs[-1]:
+            hi = next(i for i, v in enumerate(xs) if v >= x)
+            if xs[hi] == x:
+                return self.at[x]
+            a, b = xs[hi - 1], xs[hi]
+            return self.at[a] + (self.at[b] - self.at[a]) * (x - a) / (b - a)
+        end = xs[0] if x < xs[0] else xs[-1]
+        return max(0.0, self.at[end] + self.slope() * (x - end))
+
+    def slope(self) -> float:
+        if len(self.at) < 2:
+            return 0.0
+        mean_x = sum(self.at) / len(self.at)
+        mean_t = sum(self.at.values()) / len(self.at)
+        slope = (sum((x - mean_x) * (t - mean_t) for x, t in self.at.items())
+                 / sum((x - mean_x) ** 2 for x in self.at))
+        return max(0.0, slope)
+
+
+@dataclass
+class Pass:
+    """A verifier forward pass as the verifier reports it (VerifyResponse.batch_pass)."""
+    rows: int
+    tokens: int
+    seconds: float
 
 
 class RoundCosts:
-    """What rounds cost on this deployment, from every request's rounds."""
+    """What rounds cost on this deployment, from every request's rounds: drafter calls
+    by K; the verifier's batched pass by the tokens it computes, with the rows a pass
+    runs and what a call takes beyond its pass (network, waiting for a pass)."""
 
     def __init__(self, alpha_prior: float = 0.5, decay: float = 0.99):
-        self.draft, self.verify = _Line(), _Line()
+        self.draft, self.batch_pass = _Curve(), _Curve()
         self.decay = decay
+        self.rows, self.overhead = 1.0, 0.0  # running averages
+        self.tried: set[int] = set()
         self.accepted, self.tested = alpha_prior, 1.0  # decayed counts over all rounds
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.tested
 
-    def observe(self, k: int, draft_s: float | None, verify_s: float, accepted: int, tested: int) -> None:
+    def verify(self, k: int) -> float | None:
+        """A verifier call at K = k when every row of a pass drafts k (SmartSpec's goodput
+        view: one session's larger K makes every session's pass longer)."""
+        seconds = self.batch_pass(max(1.0, self.rows) * (k + 1))
+        return None if seconds is None else seconds + self.overhead
+
+    def observe(self, k: int, draft_s: float | None, verify_s: float, accepted: int, tested: int,
+                batch_pass: Pass | None = None) -> None:
         if draft_s is not None and k > 0:
             self.draft.add(k, draft_s)
-        self.verify.add(k, verify_s)
+        if batch_pass is None or batch_pass.rows < 1:  # a verifier that does not say: the call is the pass
+            batch_pass = Pass(1, k + 1, verify_s)
+        self.tried.add(k)
+        self.batch_pass.add(batch_pass.tokens, batch_pass.seconds)
+        self.rows = 0.9 * self.rows + 0.1 * batch_pass.rows
+        self.overhead = 0.9 * self.overhead + 0.1 * max(0.0, verify_s - batch_pass.seconds)
         if tested:
             self.accepted = self.decay * self.accepted + accepted
             self.tested = self.decay * self.tested + tested
@@ -77,7 +114,8 @@ class FixedK:
     def choose(self) -> int:
         return self.k
 
-    def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float) -> None:
+    def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
+                batch_pass: Pass | None = None) -> None:
         pass
 
 
@@ -112,7 +150,7 @@ class AdaptiveK:
         self.rounds += 1
         # Learn the costs of K = 0, a middle K and the starting K before trusting them.
         for k in (self.k_start, 0, max(1, self.k_start // 2)):
-            if len(self.costs.verify.by_k) < 3 and k not in self.costs.verify.by_k:
+            if len(self.costs.tried) < 3 and k not in self.costs.tried:
                 return k
         speeds = {k: self.speed(k) for k in range(self.k_max + 1)}
         known = {k: s for k, s in speeds.items() if s is not None}
@@ -122,8 +160,9 @@ class AdaptiveK:
             return min(self.k_max, neighbour)
         return best
 
-    def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float) -> None:
+    def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
+                batch_pass: Pass | None = None) -> None:
         tested = accepted + (1 if accepted < k else 0) if k > 0 else 0
         self.accepted += accepted
         self.tested += tested
-        self.costs.observe(k, draft_s, verify_s, accepted, tested)
+        self.costs.observe(k, draft_s, verify_s, accepted, tested, batch_pass)

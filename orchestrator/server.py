@@ -209,7 +209,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
                 acceptance_rate=_rate(stats), resyncs=stats.resyncs, drafter_failovers=stats.drafter_failovers,
                 accepted_per_position=stats.accepted_per_position, lookaheads=stats.lookaheads,
-                lookahead_hits=stats.lookahead_hits, draft_seconds=stats.draft_s, verify_seconds=stats.verify_s),
+                lookahead_hits=stats.lookahead_hits, draft_seconds=stats.draft_s, verify_seconds=stats.verify_s,
+                mean_batch_rows=stats.pass_rows / stats.rounds if stats.rounds else 0.0),
         )
 
 

@@ -16,7 +16,7 @@ import grpc
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from orchestrator.kpolicy import AdaptiveK, FixedK
+from orchestrator.kpolicy import AdaptiveK, FixedK, Pass
 from orchestrator.pool import DrafterPool, Replica
 
 log = logging.getLogger("orchestrator")
@@ -36,6 +36,11 @@ class Stats:
     lookahead_hits: int = 0  # of those, rounds whose guess held and whose drafts were used
     draft_s: float = 0.0  # time the rounds waited on the drafter
     verify_s: float = 0.0  # and on the verifier
+    pass_rows: int = 0  # rows of the verifier passes that ran the rounds, summed
+
+    def observe_pass(self, batch_pass: Pass | None) -> None:
+        if batch_pass is not None:
+            self.pass_rows += batch_pass.rows
 
     def record(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -58,7 +63,8 @@ class VerifierLink:
         self.synced = 0  # committed tokens the verifier is known to hold
 
     async def verify(self, history: list[int], drafts: list[int],
-                     qs: list[common_pb2.SparseDistribution]) -> tuple[int, int]:
+                     qs: list[common_pb2.SparseDistribution]) -> tuple[int, int, Pass]:
+        """(accepted, the verifier's token, the batched pass that ran the round)"""
         attempt = 0
         while True:
             request = verifier_pb2.VerifyRequest(
@@ -78,7 +84,8 @@ class VerifierLink:
                     continue
                 raise
             self.synced = len(history)
-            return response.num_accepted, response.next_token
+            batch = response.batch_pass
+            return response.num_accepted, response.next_token, Pass(batch.rows, batch.tokens, batch.seconds)
 
     async def close(self) -> None:
         await self.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)
@@ -227,9 +234,11 @@ async def speculate(
                 lookahead = _Lookahead(drafter, history, drafts, k_round)
                 stats.lookaheads += 1
             # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
-            accepted, next_token = await verifier.verify(history, drafts, qs)
+            accepted, next_token, batch_pass = await verifier.verify(history, drafts, qs)
             verified = time.perf_counter()
-            policy.observe(len(drafts), accepted, drafted - started if drafts else None, verified - drafted)
+            policy.observe(len(drafts), accepted, drafted - started if drafts else None, verified - drafted,
+                           batch_pass)
+            stats.observe_pass(batch_pass)
             stats.draft_s += drafted - started
             stats.verify_s += verified - drafted
             stats.record(len(drafts), accepted)

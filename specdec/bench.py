@@ -37,13 +37,14 @@ import torch
 
 from specdec import launch, modeling
 from specdec.common.v1 import common_pb2
-from specdec.kv import CachedSequence
+from specdec.engine import Engine
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from specdec.verifier.v1 import verifier_pb2
 
 log = logging.getLogger("bench")
 
 DEFAULT_PROMPTS = Path(__file__).parent / "bench_prompts.txt"
+IN_PROCESS_KV_BYTES = 256 << 20
 VARIANTS = ("target", "assisted", "inprocess", "grpc", "adaptive", "overlap", "ngram")
 
 
@@ -103,39 +104,49 @@ class _LocalDrafter:
 
     async def propose(self, history, k, committed=None):
         self.seq.sync(0, history)
-        drafted = list(self.proposer.propose(self.seq, k, self.params))
+        drafted = [draft async for draft in self.proposer.propose(self.seq, k, self.params)]
         return [t for t, _ in drafted], [q for _, q in drafted if q is not None]
+
+    def close(self):
+        self.proposer.release(self.seq)
 
 
 class _LocalVerifier:
     """The verifier's round behind the interface of the orchestrator's VerifierLink."""
 
-    def __init__(self, target, params):
+    def __init__(self, engine: Engine, params):
         from verifier_service.acceptance import verify
 
-        self.verify_round, self.params = verify, params
-        self.seq, self.synced = CachedSequence(target), 0
+        self.verify_round, self.params, self.engine = verify, params, engine
+        self.seq, self.synced = engine.new_sequence(), 0
 
     async def verify(self, history, drafts, qs):
         request = verifier_pb2.VerifyRequest(start=self.synced, new_tokens=history[self.synced:],
                                              draft_tokens=drafts, draft_probs=qs, sampling=self.params)
         self.synced = len(history)
-        return self.verify_round(self.seq, request)
+        accepted, token, done = await self.verify_round(self.seq, request)
+        return accepted, token, done
+
+    def close(self):
+        self.engine.release(self.seq)
 
 
-def run_inprocess(index: int, target, proposer, ids: list[int], max_new_tokens: int, k: int, eos) -> Run:
+def run_inprocess(index: int, target: Engine, proposer, ids: list[int], max_new_tokens: int, k: int, eos) -> Run:
     from orchestrator.speculation import Stats, speculate
 
     params = common_pb2.SamplingParams(top_p=1.0)
     stats, tokens, arrivals = Stats(), [], []
 
     async def go():
+        drafter, verifier = _LocalDrafter(proposer, params), _LocalVerifier(target, params)
         started = time.perf_counter()
-        async for new in speculate(ids, max_new_tokens, k, set(eos), _LocalDrafter(proposer, params),
-                                   _LocalVerifier(target, params), stats):
+        async for new in speculate(ids, max_new_tokens, k, set(eos), drafter, verifier, stats):
             tokens.extend(new)
             arrivals.extend([time.perf_counter() - started] * len(new))
-        return time.perf_counter() - started
+        wall = time.perf_counter() - started
+        drafter.close()
+        verifier.close()
+        return wall
 
     wall = asyncio.run(go())
     return Run("inprocess", index, tokens, wall, arrivals, stats.rounds, stats.draft_tokens,
@@ -162,23 +173,23 @@ def run_grpc(variant: str, index: int, stub, ids: list[int], max_new_tokens: int
                stats.verify_seconds)
 
 
-@torch.inference_mode()
-def step_costs(target, draft, ids: list[int], k: int, repeats: int = 15) -> dict:
+def step_costs(target: Engine, draft: Engine, ids: list[int], k: int, repeats: int = 15) -> dict:
     """Seconds for one cached step of each model and for a (k+1)-token target pass, at
     the end of the prompt, timed alternately so load drifts hit all three alike."""
-    seqs = {"target": CachedSequence(target), "draft": CachedSequence(draft)}
+    seqs = {"target": target.new_sequence(), "draft": draft.new_sequence()}
     for seq in seqs.values():
-        seq.extend(ids)
-        seq.logits(1)
+        seq.sync(0, ids)
+        seq.engine.forward_now(seq, 1)
     times = {"target_step": [], "draft_step": [], "verify": []}
     for _ in range(repeats):
         for name, seq, extra in (("target_step", seqs["target"], 1), ("draft_step", seqs["draft"], 1),
                                  ("verify", seqs["target"], k + 1)):
             seq.extend(ids[:extra])
-            started = time.perf_counter()
-            seq.logits(extra)
-            times[name].append(time.perf_counter() - started)
+            _, done = seq.engine.forward_now(seq, extra)
+            times[name].append(done.seconds)
             seq.sync(0, ids)  # roll back to the prompt
+    for seq in seqs.values():
+        seq.engine.release(seq)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -372,8 +383,11 @@ def run(args) -> dict:
     # head; our drafter cuts it to the draft vocabulary, as the drafter service does.
     draft, _ = modeling.load_model(args.draft, args.dtype, device)
     proposer_model, _ = modeling.load_model(args.draft, args.dtype, device)
-    proposer = ModelProposer(proposer_model, tokenizer, args.draft,
-                             output_ids=modeling.restrict_output(proposer_model, args.draft))
+    output_ids = modeling.restrict_output(proposer_model, args.draft)
+    proposer = ModelProposer(Engine(proposer_model, IN_PROCESS_KV_BYTES), tokenizer, args.draft, output_ids=output_ids)
+    # The in-process round runs the target through the engine the verifier uses, which
+    # makes the model its own: `generate` gets another copy.
+    target_engine = Engine(modeling.load_model(args.target, args.dtype, device)[0], IN_PROCESS_KV_BYTES)
     eos = modeling.eos_token_ids(target, tokenizer)
     encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for p in prompts]
@@ -408,14 +422,15 @@ def run(args) -> dict:
                         elif variant == "assisted":
                             run = run_hf(variant, index, target, ids, args.max_new_tokens, assistant=draft)
                         elif variant == "inprocess":
-                            run = run_inprocess(index, target, proposer, ids, args.max_new_tokens, args.k, eos)
+                            run = run_inprocess(index, target_engine, proposer, ids, args.max_new_tokens, args.k,
+                                                eos)
                         else:
                             k = None if variant == "adaptive" else args.k
                             run = run_grpc(variant, index, stubs[variant], ids, args.max_new_tokens, k)
                         runs.append(run)
                         log.info("repeat %d prompt %d %-9s %5.1f tok/s (%d tokens)", repeat, index, variant,
                                  run.tokens_per_s, len(run.tokens))
-            costs = step_costs(target, proposer_model, encoded[0], args.k)
+            costs = step_costs(target_engine, proposer.engine, encoded[0], args.k)
         for channel in channels.values():
             channel.close()
     finally:

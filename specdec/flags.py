@@ -3,6 +3,7 @@
 import argparse
 import logging
 import os
+import re
 
 
 def _parse_bool(text: str) -> bool:
@@ -20,6 +21,17 @@ def add(parser: argparse.ArgumentParser, flag: str, *, env: str, default=None, t
         kwargs["type"] = type
     action = parser.add_argument(flag, default=default, help=f"{help} (env {env}; default: %(default)s)", **kwargs)
     action.env = env
+
+
+_UNITS = {"": 1, "k": 1000, "m": 1000 ** 2, "g": 1000 ** 3, "ki": 1024, "mi": 1024 ** 2, "gi": 1024 ** 3}
+
+
+def byte_size(text: str) -> int:
+    """A byte count: 1073741824, 1GiB, 512Mi, 2G, ..."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 1073741824, 1GiB, 512MiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
 def env_names(parser: argparse.ArgumentParser) -> set[str]:
@@ -44,6 +56,14 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
         help="open sessions before RESOURCE_EXHAUSTED")
     add(parser, "--session-idle-timeout", env=f"{prefix}_SESSION_IDLE_TIMEOUT", type=float, default=300.0,
         help="seconds before an idle session is released")
+    add(parser, "--kv-cache-bytes", env=f"{prefix}_KV_CACHE_BYTES", type=byte_size, default="1GiB",
+        help="memory of the KV pool all sessions share; a session is admitted when its tokens fit")
+    add(parser, "--max-waiting-sessions", env=f"{prefix}_MAX_WAITING_SESSIONS", type=int, default=64,
+        help="sessions that may wait for KV memory before RESOURCE_EXHAUSTED")
+    add(parser, "--max-batch-rows", env=f"{prefix}_MAX_BATCH_ROWS", type=int, default=64,
+        help="sessions one forward pass may run together (1: no batching)")
+    add(parser, "--max-batch-tokens", env=f"{prefix}_MAX_BATCH_TOKENS", type=int, default=256,
+        help="tokens one forward pass computes; a longer prefill runs in chunks between other sessions' rounds")
 
 
 def setup_logging(level: str, service: str) -> None:

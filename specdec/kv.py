@@ -1,11 +1,15 @@
-"""A session's token sequence and the model's KV cache over it.
+"""A session's token sequence, and the KV memory that sessions share.
 
-The cache is rolled back by position: a call names the position its new tokens start
-at, the sequence keeps what still matches, and the cache is cropped to that length.
-Nothing is ever copied."""
+Every session of a model keeps its keys and values in one pool (`KVPool`), in blocks
+of `block_size` positions that the engine hands out and takes back. A session's cache
+is rolled back by position: a call names the position its new tokens start at, the
+sequence keeps what still matches, and `cached` drops to that length. Nothing is ever
+copied, and a session whose blocks were taken back still holds its tokens: its cache
+is recomputed from them."""
+
+import math
 
 import torch
-from transformers import DynamicCache
 
 from specdec.errors import NeedsResync, RESYNC_DETAIL
 
@@ -38,33 +42,67 @@ class TokenSequence:
         self.tokens.extend(tokens)
 
 
-class CachedSequence(TokenSequence):
-    """A TokenSequence with the model's KV cache over its first `cached` tokens."""
+class KVPool:
+    """Keys and values of every session of one model: per layer, [slots, kv_heads,
+    head_dim], in blocks of `block_size` slots. Block 0 is never handed out; its first
+    slot holds zeros, the padding read by rows shorter than their batch's longest."""
 
-    def __init__(self, model):
+    def __init__(self, config, budget_bytes: int, dtype: torch.dtype, device, block_size: int = 16):
+        layers = config.num_hidden_layers
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.block_size = block_size
+        self.bytes_per_token = layers * 2 * kv_heads * head_dim * dtype.itemsize
+        num_blocks = budget_bytes // (self.bytes_per_token * block_size)
+        if num_blocks < 2:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds fewer than two blocks of {block_size} "
+                             f"tokens at {self.bytes_per_token} bytes per token")
+        slots = num_blocks * block_size
+        # empty, not zeros: memory is touched only as sessions fill it
+        self.k = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        for t in (*self.k, *self.v):
+            t[0].zero_()
+        self.capacity = num_blocks - 1  # blocks a session can get
+        self.free = list(range(num_blocks - 1, 0, -1))
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free)
+        taken, self.free = self.free[len(self.free) - n:], self.free[:len(self.free) - n]
+        return taken
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
+
+class PagedSequence(TokenSequence):
+    """A TokenSequence whose first `cached` tokens have keys and values in the engine's
+    pool, in `blocks`. The engine owns `blocks`, `cached` and `admitted`; a sync changes
+    them through the engine (under its lock), never while a forward holds the session."""
+
+    def __init__(self, engine):
         super().__init__()
-        self.model = model
-        self.cache = DynamicCache(config=model.config)
-
-    @property
-    def cached(self) -> int:
-        return self.cache.get_seq_length()
-
-    def _crop(self, length: int) -> None:
-        if self.cached > length:
-            self.cache.crop(length - self.cached)  # transformers 5: negative = tokens to drop
+        self.engine = engine
+        self.blocks: list[int] = []
+        self.cached = 0
+        self.admitted = 0  # admission order while it holds blocks; 0: holds none
+        self.released = False
 
     def sync(self, start: int, new_tokens: list[int]) -> int:
         kept = super().sync(start, new_tokens)
-        self._crop(kept)
+        self.engine.crop(self, kept)
         return kept
 
-    @torch.inference_mode()
-    def logits(self, last: int) -> torch.Tensor:
-        """Runs the model over the tokens not yet cached; returns the logits that
-        predict the token after each of the `last` final tokens. -> [last, vocab]"""
-        self._crop(len(self.tokens) - last)
-        pending = self.tokens[self.cached:]
-        input_ids = torch.tensor([pending], dtype=torch.long, device=self.model.device)
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=last)
-        return out.logits[0, -last:].float()
+    async def logits(self, last: int):
+        """Computes what is not cached; -> (logits after each of the last `last` tokens
+        [last, vocab], the engine's Pass that finished them)."""
+        return await self.engine.forward(self, last)
+
+    def slots(self, end: int, device) -> torch.Tensor:
+        """Pool slots of positions [0, end). -> [end]"""
+        bs = self.engine.pool.block_size
+        blocks = torch.tensor(self.blocks[:math.ceil(end / bs)], dtype=torch.long, device=device)
+        return (blocks[:, None] * bs + torch.arange(bs, device=device)).flatten()[:end]

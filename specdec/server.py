@@ -1,9 +1,7 @@
 """gRPC server scaffolding every service shares: health (NOT_SERVING until the model
-is loaded and warmed), reflection, a single model worker thread, and a graceful stop on
-SIGTERM."""
+is loaded and warmed), reflection, the batching engine, and a graceful stop on SIGTERM."""
 
 import asyncio
-import concurrent.futures
 import logging
 import signal
 import threading
@@ -14,21 +12,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.common.v1 import common_pb2
+from specdec.engine import Engine
 from specdec.errors import Unavailable, abort
 from specdec.sessions import SessionStore
 
 log = logging.getLogger(__name__)
 
 
-class ModelWorker:
-    """Runs blocking model calls on one thread: the event loop stays free for health
-    checks and streaming, and forwards do not fight over the cores."""
-
-    def __init__(self):
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-
-    async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+def engine(model, args) -> Engine:
+    """The model's batching engine, sized by the session-service flags."""
+    return Engine(model, args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens, args.max_waiting_sessions)
 
 
 class SessionServicer:
@@ -38,8 +31,7 @@ class SessionServicer:
 
     pb = None
 
-    def __init__(self, worker: ModelWorker):
-        self.worker = worker
+    def __init__(self):
         self.info: common_pb2.ModelInfo | None = None
         self.store: SessionStore | None = None
 

@@ -25,8 +25,9 @@ class SessionStore:
     """Sessions by id. A call with start == 0 creates (or resets) its session; any
     other call on an unknown session must resync."""
 
-    def __init__(self, new_state: Callable[[], Any], max_sessions: int, idle_timeout_s: float):
-        self.new_state = new_state
+    def __init__(self, new_state: Callable[[], Any], max_sessions: int, idle_timeout_s: float,
+                 release: Callable[[Any], None] = lambda state: None):
+        self.new_state, self.release = new_state, release
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.sessions: dict[str, Session] = {}
@@ -53,8 +54,10 @@ class SessionStore:
         return session
 
     def close(self, session_id: str) -> bool:
-        closed = self.sessions.pop(session_id, None) is not None
+        session = self.sessions.pop(session_id, None)
+        closed = session is not None
         if closed:
+            self.release(session.state)
             log.info("session %s closed (%d open)", session_id, len(self.sessions))
         return closed
 

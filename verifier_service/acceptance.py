@@ -10,25 +10,27 @@ import torch
 
 from specdec import sampling
 from specdec.common.v1 import common_pb2
-from specdec.kv import CachedSequence
+from specdec.engine import Pass
+from specdec.kv import PagedSequence
 from specdec.sampling import Draws
 from specdec.verifier.v1 import verifier_pb2
 
 
-def verify(seq: CachedSequence, request: verifier_pb2.VerifyRequest) -> tuple[int, int]:
+async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest) -> tuple[int, int, Pass]:
     """One round on a session: bring the cache to the committed history, run the target
-    once over the new tokens and the drafts, and apply the acceptance rule."""
+    once over the new tokens and the drafts (in a pass shared with the other sessions
+    ready at the same time), and apply the acceptance rule."""
     seq.sync(request.start, list(request.new_tokens))
     n = len(seq.tokens)  # committed length: drafts start here
     drafts = list(request.draft_tokens)
     seq.extend(drafts)
-    logits = seq.logits(len(drafts) + 1)  # [K+1, vocab]: one pass over new tokens + drafts
+    logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
     params = request.sampling
     if sampling.is_greedy(params):
-        return accept_greedy(logits.argmax(dim=-1).tolist(), drafts)
+        return (*accept_greedy(logits.argmax(dim=-1).tolist(), drafts), done)
     p = sampling.probs(logits, params)
     q = dense_q(list(request.draft_probs), drafts, p.shape[-1])
-    return accept_sampled(p, q, drafts, n, Draws(params.seed, "accept"), Draws(params.seed, "target"))
+    return (*accept_sampled(p, q, drafts, n, Draws(params.seed, "accept"), Draws(params.seed, "target")), done)
 
 
 def accept_greedy(target_argmax: list[int], drafts: list[int]) -> tuple[int, int]:

@@ -1,5 +1,6 @@
-"""The verifier's gRPC server: sessions, each a token sequence with the target's KV
-cache, and one forward pass per round over the new tokens plus the drafts."""
+"""The verifier's gRPC server: sessions, each a token sequence with its keys and values
+in the target's KV pool, and one forward pass per round over the new tokens plus the
+drafts, batched with the rounds of the other sessions that are ready at the same time."""
 
 import argparse
 import asyncio
@@ -11,7 +12,6 @@ import torch
 from specdec import flags, modeling, sampling, server
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, ServiceError, abort
-from specdec.kv import CachedSequence
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
@@ -59,8 +59,10 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                          self.info)
             session = self.store.get(request.session_id, request.start)
             async with session.lock:
-                a, t = await self.worker.run(verify, session.state, request)
-            return verifier_pb2.VerifyResponse(num_accepted=a, next_token=t)
+                a, t, done = await verify(session.state, request)
+            return verifier_pb2.VerifyResponse(
+                num_accepted=a, next_token=t,
+                batch_pass=verifier_pb2.BatchPass(rows=done.rows, tokens=done.tokens, seconds=done.seconds))
         except ServiceError as err:
             await abort(context, err)
 
@@ -75,19 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args, on_listen=None) -> None:
-    servicer = VerifierServicer(server.ModelWorker())
+    servicer = VerifierServicer()
 
     async def load():
         model, tokenizer = await asyncio.to_thread(modeling.load_model, args.model, args.dtype, args.device)
         info = modeling.model_info(model, tokenizer, args.model, "target")
+        engine = server.engine(model, args)
         # Warm up: a prefill and a multi-token pass, so the first request is not slow.
-        seq = CachedSequence(model)
+        seq = engine.new_sequence()
         seq.sync(0, [0, 1, 0, 1])
-        await servicer.worker.run(seq.logits, 1)
+        await seq.logits(1)
         seq.extend([0, 1, 0])
-        await servicer.worker.run(seq.logits, 4)
-        servicer.ready(info, SessionStore(lambda: CachedSequence(model), args.max_sessions,
-                                                 args.session_idle_timeout))
+        await seq.logits(4)
+        engine.release(seq)
+        servicer.ready(info, SessionStore(engine.new_sequence, args.max_sessions, args.session_idle_timeout,
+                                          release=engine.release))
 
     await server.serve(
         name="verifier", host=args.host, port=args.port,

@@ -50,7 +50,7 @@ class FakeVerifier:
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == target_next(history + drafts[:accepted]):
             accepted += 1
-        return accepted, target_next(history + drafts[:accepted])
+        return accepted, target_next(history + drafts[:accepted]), None
 
 
 class Cycle:

@@ -79,7 +79,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "resyncs", "drafter_failovers", "accepted_per_position", "lookaheads", "lookahead_hits", "draft_seconds", "verify_seconds")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "resyncs", "drafter_failovers", "accepted_per_position", "lookaheads", "lookahead_hits", "draft_seconds", "verify_seconds", "mean_batch_rows")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class SpeculationStats(_message.Message):
     LOOKAHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -102,7 +103,8 @@ class SpeculationStats(_message.Message):
     lookahead_hits: int
     draft_seconds: float
     verify_seconds: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., resyncs: _Optional[int] = ..., drafter_failovers: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., lookaheads: _Optional[int] = ..., lookahead_hits: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
+    mean_batch_rows: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., resyncs: _Optional[int] = ..., drafter_failovers: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., lookaheads: _Optional[int] = ..., lookahead_hits: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., mean_batch_rows: _Optional[float] = ...) -> None: ...
 
 class Result(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stop_sequence", "usage", "stats")

@@ -24,12 +24,24 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token")
+    __slots__ = ("num_accepted", "next_token", "batch_pass")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PASS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ...) -> None: ...
+    batch_pass: BatchPass
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ...) -> None: ...
+
+class BatchPass(_message.Message):
+    __slots__ = ("rows", "tokens", "seconds")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    tokens: int
+    seconds: float
+    def __init__(self, rows: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,361 @@
+"""The batching engine both services run their model through: continuous batching
+over sessions, one forward pass at a time.
+
+Every call that needs the model submits *work*: compute the keys and values of a
+session's tokens that are not cached yet, and return the logits of its last `last`
+tokens. Between passes, the engine's thread takes whatever work is waiting into one
+pass, whatever the sessions' lengths: the tokens of all rows packed into one sequence
+(the linear layers see one [1, tokens] input), each with its own position, and an
+attention that reads each row's keys from the pool (`paged_attention`). Sessions join
+and leave between passes.
+
+Per pass, `max_batch_tokens` bounds the work: short rows (a round's drafts) go whole,
+a long prefill goes in chunks of what is left, so a long prompt never stalls the
+running streams for longer than one chunk. Memory: a session is admitted when the pool
+has blocks for all its tokens; a running session that must grow takes blocks back from
+the newest admitted session outside the pass, which keeps its tokens and recomputes
+its cache when its turn comes (preemption by recompute). Sessions waiting for memory
+form a bounded queue; past it, or for a session longer than the whole pool, a call
+gets RESOURCE_EXHAUSTED."""
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+
+from specdec.errors import Overloaded
+from specdec.kv import KVPool, PagedSequence
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "specdec_paged"
+
+
+@dataclass
+class Pass:
+    """One forward pass: how many sessions (rows) and tokens it ran, and its time."""
+    rows: int
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class Plan:
+    """Where a pass reads and writes keys and values. B rows, T packed tokens; row b has
+    n_b new tokens at positions [start_b, end_b) and reads positions [0, end_b)."""
+    pool: KVPool
+    write_slots: torch.Tensor  # [T] pool slot of each new token
+    read_slots: torch.Tensor   # [B, L] slots each row reads; padding reads slot 0 (zeros)
+    q_index: torch.Tensor      # [B, Q] packed index of each row's j-th new token (padding: 0)
+    mask: torch.Tensor         # [B, 1, Q, L] query may attend key
+    out_index: torch.Tensor    # [T] where each packed token's output sits in [B * Q]
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, specdec_plan=None,
+                    **kwargs):
+    """query: [1, heads, T, d], key/value: [1, kv_heads, T, d] for the packed new tokens.
+    Writes the new keys and values to the pool, then attends each row to its own."""
+    plan = specdec_plan
+    if plan is None:
+        raise RuntimeError("this model runs through specdec's Engine now: load another copy for other uses")
+    layer = module.layer_idx
+    k_pool, v_pool = plan.pool.k[layer], plan.pool.v[layer]
+    k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
+    v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
+    k = k_pool[plan.read_slots].transpose(1, 2)  # [B, kv_heads, L, d]
+    v = v_pool[plan.read_slots].transpose(1, 2)
+    q = query[0].transpose(0, 1)[plan.q_index].transpose(1, 2)  # [B, heads, Q, d]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.mask, scale=scaling, enable_gqa=True)
+    b, heads, width, d = out.shape
+    out = out.transpose(1, 2).reshape(b * width, heads, d)[plan.out_index]  # [T, heads, d]
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION, paged_attention)
+
+
+@dataclass(eq=False)
+class Row:
+    """A work's part of one pass: positions [start, start + n), of which the last
+    `wanted` need logits."""
+    work: "Work"
+    start: int
+    n: int
+    wanted: int
+
+
+@dataclass(eq=False)
+class Work:
+    seq: PagedSequence
+    last: int  # logits wanted for the last `last` tokens
+    order: int
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    parts: list[torch.Tensor] = field(default_factory=list)  # logits from earlier chunks
+    cancelled: bool = False
+    in_pass: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return len(self.seq.tokens) - self.seq.cached
+
+
+def check_supported(model) -> None:
+    """The pool holds every position of every layer: refuse models that attend otherwise."""
+    config = model.config
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        raise ValueError(f"{config.model_type}: only models whose every layer attends to every position are "
+                         f"supported (layer types {sorted(kinds)})")
+    if not model._can_set_attn_implementation():
+        raise ValueError(f"{config.model_type}: the model does not use transformers' attention interface")
+
+
+class Engine:
+    """Runs one model for all sessions of a service; see the module docstring."""
+
+    def __init__(self, model, kv_cache_bytes: int, max_batch_rows: int = 64, max_batch_tokens: int = 256,
+                 max_waiting: int = 64, block_size: int = 16):
+        if max_batch_rows < 1 or max_batch_tokens < 1:
+            raise ValueError("max_batch_rows and max_batch_tokens must be >= 1")
+        check_supported(model)
+        model.set_attn_implementation(ATTENTION)
+        self.model, self.device = model, model.device
+        self.pool = KVPool(model.config, kv_cache_bytes, model.dtype, model.device, block_size)
+        self.max_batch_rows, self.max_batch_tokens, self.max_waiting = max_batch_rows, max_batch_tokens, max_waiting
+        self.short = max(1, max_batch_tokens // 4)  # rows this short go whole: a round, not a prefill
+        self.queue: list[Work] = []
+        self.cond = threading.Condition()
+        self.orders = itertools.count(1)
+        self.admissions = itertools.count(1)
+        self.holders: set[PagedSequence] = set()  # sessions holding blocks
+        self.stopped = False
+        # Totals, for the benchmark and the logs.
+        self.passes = self.rows = self.tokens = self.evictions = 0
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.thread.start()
+        log.info("KV pool: %d blocks of %d tokens (%d tokens, %.1f MiB at %d bytes per token); batches of up to "
+                 "%d rows and %d tokens", self.pool.capacity, block_size, self.pool.capacity * block_size,
+                 self.pool.capacity * block_size * self.pool.bytes_per_token / 2 ** 20, self.pool.bytes_per_token,
+                 max_batch_rows, max_batch_tokens)
+
+    def new_sequence(self) -> PagedSequence:
+        return PagedSequence(self)
+
+    # -- calls (any thread) --------------------------------------------------------------
+
+    def submit(self, seq: PagedSequence, last: int) -> Work:
+        with self.cond:
+            if self.pool.blocks_for(len(seq.tokens)) > self.pool.capacity:
+                raise Overloaded(f"the session holds {len(seq.tokens)} tokens; the KV pool holds "
+                                 f"{self.pool.capacity * self.pool.block_size}")
+            if not seq.admitted and sum(not w.seq.admitted for w in self.queue) >= self.max_waiting:
+                raise Overloaded(f"{self.max_waiting} sessions are waiting for KV memory")
+            seq.cached = min(seq.cached, len(seq.tokens) - last)  # logits come from computing those positions
+            work = Work(seq, last, next(self.orders))
+            self.queue.append(work)
+            self.cond.notify()
+        return work
+
+    async def forward(self, seq: PagedSequence, last: int) -> tuple[torch.Tensor, Pass]:
+        """Logits after each of the last `last` tokens of seq ([last, vocab]), and the
+        pass that finished them."""
+        work = self.submit(seq, last)
+        done = asyncio.wrap_future(work.future)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            # The caller goes, but the session must not change under a pass that holds it.
+            self.cancel(work)
+            await asyncio.wait([done])
+            raise
+
+    def forward_now(self, seq: PagedSequence, last: int) -> tuple[torch.Tensor, Pass]:
+        """`forward` for a caller that is not on an event loop (warm-up, benchmarks)."""
+        return self.submit(seq, last).future.result()
+
+    def cancel(self, work: Work) -> None:
+        with self.cond:
+            work.cancelled = True
+            if not work.in_pass and work in self.queue:
+                self._finish(work)
+                self.cond.notify()
+
+    def crop(self, seq: PagedSequence, length: int) -> None:
+        """Forget cached positions from `length` on and the blocks the tokens no longer need."""
+        with self.cond:
+            seq.cached = min(seq.cached, length)
+            keep = self.pool.blocks_for(max(seq.cached, len(seq.tokens)))
+            if seq.admitted and len(seq.blocks) > keep:
+                self.pool.release(seq.blocks[keep:])
+                del seq.blocks[keep:]
+                self.cond.notify()
+
+    def release(self, seq: PagedSequence) -> None:
+        """A closed session: its blocks go back to the pool, its waiting work is dropped."""
+        with self.cond:
+            seq.released = True
+            for work in [w for w in self.queue if w.seq is seq and not w.in_pass]:
+                self._finish(work)
+            self._evict(seq)
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+
+    # -- the engine's thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self.cond:
+                while not self.stopped and not (batch := self._schedule()):
+                    self.cond.wait()
+                if self.stopped:
+                    return
+                for row in batch:
+                    row.work.in_pass = True
+            started = time.perf_counter()
+            try:
+                logits, error = self._run(batch), None
+            except Exception as err:  # a failed pass fails its rows, never the engine
+                log.exception("forward pass of %d rows failed", len(batch))
+                logits, error = None, err
+            done = Pass(len(batch), sum(row.n for row in batch), time.perf_counter() - started)
+            with self.cond:
+                self._commit(batch, logits, error, done)
+
+    def _schedule(self) -> list[Row]:
+        """This pass's rows: (work, tokens to compute now). Short rows first, oldest
+        sessions first (they may take blocks from newer ones); then prefill chunks."""
+        batch, in_pass = [], set()
+        budget = self.max_batch_tokens
+
+        def age(work: Work):
+            return (work.seq.admitted or float("inf"), work.order)
+
+        short = sorted((w for w in self.queue if w.remaining <= self.short), key=age)
+        long = sorted((w for w in self.queue if w.remaining > self.short), key=lambda w: w.order)
+        for work in short + long:
+            seq = work.seq
+            if len(batch) == self.max_batch_rows or seq in in_pass:
+                continue
+            n = work.remaining
+            if n > self.short:  # a prefill: a chunk of what is left; the first one at least a short row's worth
+                prefilling = any(row.n > self.short for row in batch)
+                n = min(n, budget if prefilling else max(budget, self.short))
+                if n <= 0:
+                    continue
+            if not self._reserve(seq, n, in_pass):
+                continue
+            first_wanted = len(seq.tokens) - work.last
+            batch.append(Row(work, seq.cached, n, max(0, min(n, seq.cached + n - first_wanted))))
+            in_pass.add(seq)
+            budget -= n
+        return batch
+
+    def _reserve(self, seq: PagedSequence, n: int, in_pass: set) -> bool:
+        """Blocks for seq's next n positions: a new session is admitted only with blocks
+        for all its tokens; a running one may take blocks back from newer sessions."""
+        pool = self.pool
+        if not seq.admitted:
+            need = pool.blocks_for(len(seq.tokens))
+            if need > len(pool.free):
+                return False
+            seq.blocks = pool.allocate(need)
+            seq.admitted = next(self.admissions)
+            self.holders.add(seq)
+            return True
+        need = pool.blocks_for(seq.cached + n) - len(seq.blocks)
+        while need > len(pool.free):
+            newer = [s for s in self.holders if s.admitted > seq.admitted and s not in in_pass]
+            if not newer:
+                return False
+            victim = max(newer, key=lambda s: s.admitted)
+            log.info("KV pool full: a session of %d tokens gives its blocks back (it recomputes later)",
+                     len(victim.tokens))
+            self.evictions += 1
+            self._evict(victim)
+        if need > 0:
+            seq.blocks.extend(pool.allocate(need))
+        return True
+
+    def _evict(self, seq: PagedSequence) -> None:
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.cached, seq.admitted = [], 0, 0
+        self.holders.discard(seq)
+
+    def _run(self, batch: list[Row]) -> torch.Tensor:
+        """One forward over every row's next tokens; -> logits of the wanted positions."""
+        device = self.device
+        ids, positions, writes, reads, q_index, q_pos, keep = [], [], [], [], [], [], []
+        width = max(row.n for row in batch)
+        for row in batch:
+            seq, offset, start, n = row.work.seq, len(ids), row.start, row.n
+            end = start + n
+            ids += seq.tokens[start:end]
+            positions += range(start, end)
+            slots = seq.slots(end, device)
+            writes.append(slots[start:])
+            reads.append(slots)
+            q_index.append(list(range(offset, offset + n)) + [0] * (width - n))
+            q_pos.append(list(range(start, end)) + [0] * (width - n))  # padding attends slot 0 only
+            keep += range(offset + n - row.wanted, offset + n)
+        rows = len(batch)
+        length = max(len(r) for r in reads)
+        read_slots = torch.zeros(rows, length, dtype=torch.long, device=device)
+        for b, slots in enumerate(reads):
+            read_slots[b, :len(slots)] = slots
+        q_pos_t = torch.tensor(q_pos, device=device)
+        mask = torch.arange(length, device=device)[None, None, :] <= q_pos_t[:, :, None]
+        out_index = torch.tensor([b * width + j for b, row in enumerate(batch) for j in range(row.n)], device=device)
+        plan = Plan(self.pool, torch.cat(writes), read_slots, torch.tensor(q_index, device=device),
+                    mask.unsqueeze(1), out_index)
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([ids], device=device),
+                             position_ids=torch.tensor([positions], device=device),
+                             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                             use_cache=False, specdec_plan=plan)
+        return out.logits[0].float()
+
+    def _commit(self, batch: list[Row], logits: torch.Tensor | None, error: Exception | None, done: Pass) -> None:
+        self.passes += 1
+        self.rows += done.rows
+        self.tokens += done.tokens
+        kept = 0
+        for row in batch:
+            work, seq = row.work, row.work.seq
+            work.in_pass = False
+            if seq.released:
+                self._finish(work)
+            elif error is not None:
+                self._evict(seq)  # its cache is in doubt: it recomputes from its tokens
+                self._finish(work, error=error)
+            else:
+                seq.cached = row.start + row.n
+                work.parts.append(logits[kept:kept + row.wanted])
+                if work.cancelled:
+                    self._finish(work)
+                elif work.remaining == 0:
+                    self._finish(work, result=(torch.cat(work.parts), done))
+            kept += row.wanted
+        self.cond.notify()
+
+    def _finish(self, work: Work, result=None, error: Exception | None = None) -> None:
+        """Takes the work off the queue and answers it (a cancel without result or error)."""
+        if work in self.queue:
+            self.queue.remove(work)
+        if error is not None:
+            work.future.set_exception(error)
+        elif result is not None:
+            work.future.set_result(result)
+        else:
+            work.future.cancel()

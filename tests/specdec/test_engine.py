@@ -1,0 +1,224 @@
+"""The batching engine against a fresh forward of the same model: rollback by position,
+rows of different lengths in one pass, chunked prefill, memory admission and
+preemption, cancels, failed passes, and every block given back."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.engine import Engine
+from specdec.errors import NeedsResync, Overloaded
+from specdec.kv import TokenSequence
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(model for the engine, the same weights for fresh reference forwards)"""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         initializer_range=0.1)
+    model = LlamaForCausalLM(config).eval()
+    reference = LlamaForCausalLM(config).eval()
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def engine(models, kv_bytes=1 << 20, **kwargs) -> Engine:
+    return Engine(models[0], kv_bytes, **kwargs)
+
+
+def fresh(models, tokens, last):
+    with torch.no_grad():
+        return models[1](torch.tensor([tokens])).logits[0, -last:]
+
+
+def tokens(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_sync_keeps_the_matching_prefix():
+    seq = TokenSequence()
+    assert seq.sync(0, [1, 2, 3, 4]) == 0
+    assert seq.sync(2, [3, 9]) == 3  # [3] matched, [4] replaced by [9]
+    assert seq.tokens == [1, 2, 3, 9]
+
+
+def test_sync_beyond_what_is_held_needs_resync():
+    seq = TokenSequence()
+    seq.sync(0, [1, 2])
+    with pytest.raises(NeedsResync):
+        seq.sync(3, [4])
+
+
+def test_rollback_by_position_gives_the_same_logits(models):
+    eng = engine(models)
+    seq = eng.new_sequence()
+    seq.sync(0, [10, 20, 30, 40])
+    eng.forward_now(seq, 1)
+    seq.extend([50, 60, 70])          # drafts
+    eng.forward_now(seq, 4)
+    assert seq.cached == 7
+    seq.sync(4, [50, 61])             # one draft accepted, then a correction
+    assert seq.cached == 5
+    close(eng.forward_now(seq, 1)[0], fresh(models, [10, 20, 30, 40, 50, 61], 1))
+    seq.sync(0, [10, 20, 99])         # a resync with a different history
+    close(eng.forward_now(seq, 2)[0], fresh(models, [10, 20, 99], 2))
+    # A call whose tokens are all cached still gets its logits (the positions are recomputed).
+    close(eng.forward_now(seq, 2)[0], fresh(models, [10, 20, 99], 2))
+
+
+def test_rows_of_different_lengths_share_one_pass(models):
+    eng = engine(models, max_batch_tokens=512)
+    lengths = [1, 3, 17, 40, 5]
+    seqs = [eng.new_sequence() for _ in lengths]
+    for i, (seq, n) in enumerate(zip(seqs, lengths)):
+        seq.sync(0, tokens(n, i))
+        eng.forward_now(seq, 1)  # prefill each alone
+    for seq in seqs:
+        seq.extend([7, 8, 9])        # three drafts each
+    with eng.cond:                   # hold the engine so that all five are ready together
+        works = [eng.submit(seq, 4) for seq in seqs]
+    passes = eng.passes
+    for seq, work in zip(seqs, works):
+        logits, done = work.future.result()
+        assert done.rows == len(seqs) and done.tokens == 4 * len(seqs)  # the last committed token and 3 drafts
+        close(logits, fresh(models, seq.tokens, 4))
+    assert eng.passes == passes + 1
+
+
+def test_one_row_batched_or_alone_is_the_same_row(models):
+    """Batch invariance, as far as this CPU's kernels give it: measured, not assumed."""
+    eng = engine(models)
+    alone, crowd = eng.new_sequence(), [eng.new_sequence() for _ in range(7)]
+    alone.sync(0, tokens(30, 99))
+    eng.forward_now(alone, 1)
+    for i, seq in enumerate(crowd):
+        seq.sync(0, tokens(10 + 7 * i, i))
+        eng.forward_now(seq, 1)
+    alone.extend([1, 2, 3])
+    by_itself = eng.forward_now(alone, 4)[0]
+    alone.sync(30, [1, 2, 3])  # rolled back and the same drafts again
+    for seq in crowd:
+        seq.extend([4, 5, 6])
+    with eng.cond:
+        works = [eng.submit(alone, 4)] + [eng.submit(seq, 4) for seq in crowd]
+    batched, done = works[0].future.result()
+    assert done.rows == 8
+    close(batched, by_itself)
+    assert torch.equal(batched.argmax(-1), by_itself.argmax(-1))
+
+
+def test_long_prefill_runs_in_chunks_between_rounds(models):
+    eng = engine(models, max_batch_tokens=32)  # rounds of <= 8 tokens go whole, prefills in chunks
+    running = eng.new_sequence()
+    running.sync(0, tokens(12, 1))
+    eng.forward_now(running, 1)
+    long = eng.new_sequence()
+    long.sync(0, tokens(200, 2))
+    with eng.cond:
+        prefill = eng.submit(long, 1)
+        running.extend([3, 4])
+        rounds = [eng.submit(running, 2)]
+    rounds[0].future.result()
+    rounds_done = 1
+    while not prefill.future.done():  # the running stream keeps getting rounds meanwhile
+        running.sync(len(running.tokens) - 1, [5])
+        running.extend([6])
+        eng.forward_now(running, 2)
+        rounds_done += 1
+    logits, done = prefill.future.result()
+    close(logits, fresh(models, long.tokens, 1))
+    close(eng.forward_now(running, 1)[0], fresh(models, running.tokens, 1))
+    assert rounds_done >= 3, rounds_done  # 200 tokens in chunks of at most 32 take several passes
+    assert done.tokens <= 32 + 8
+
+
+def test_memory_admission_waits_and_preempts_by_recompute(models):
+    # Room for 8 blocks of 16 tokens.
+    per_token = 2 * 2 * 2 * 16 * 4
+    eng = engine(models, kv_bytes=9 * 16 * per_token, max_waiting=1)
+    assert eng.pool.capacity == 8
+    old, new = eng.new_sequence(), eng.new_sequence()
+    old.sync(0, tokens(60, 1))               # 4 blocks
+    eng.forward_now(old, 1)
+    new.sync(0, tokens(60, 2))               # 4 blocks: the pool is full
+    eng.forward_now(new, 1)
+    assert not eng.pool.free
+    # The older session grows: the newer one gives its blocks back.
+    old.extend(tokens(10, 3))
+    close(eng.forward_now(old, 1)[0], fresh(models, old.tokens, 1))
+    assert new.cached == 0 and not new.blocks and eng.evictions == 1
+    # The newer one waits for memory, then recomputes and is exact.
+    waiting = eng.submit(new, 1)
+    third = eng.new_sequence()
+    third.sync(0, tokens(20, 4))
+    with pytest.raises(Overloaded, match="waiting for KV memory"):
+        eng.submit(third, 1)                 # the waiting queue (1) is full
+    assert not waiting.future.done()
+    eng.release(old)
+    close(waiting.future.result(timeout=30)[0], fresh(models, new.tokens, 1))
+    huge = eng.new_sequence()
+    huge.sync(0, tokens(8 * 16 + 1, 5))
+    with pytest.raises(Overloaded, match="KV pool holds"):
+        eng.submit(huge, 1)
+    eng.release(new)
+    assert len(eng.pool.free) == eng.pool.capacity
+
+
+def test_cancel_leaves_the_session_consistent(models):
+    eng = engine(models, max_batch_tokens=16)
+    seq = eng.new_sequence()
+    seq.sync(0, tokens(100, 6))
+
+    async def go():
+        task = asyncio.ensure_future(eng.forward(seq, 1))
+        await asyncio.sleep(0.002)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not any(w.in_pass for w in eng.queue) and not eng.queue
+        seq.sync(50, tokens(5, 7))
+        return await eng.forward(seq, 2)
+
+    logits, _ = asyncio.run(go())
+    close(logits, fresh(models, seq.tokens, 2))
+
+
+def test_a_failed_pass_fails_its_rows_and_the_next_call_is_exact(models, monkeypatch):
+    eng = engine(models)
+    seq = eng.new_sequence()
+    seq.sync(0, tokens(20, 8))
+    eng.forward_now(seq, 1)
+    real = eng._run
+    monkeypatch.setattr(eng, "_run", lambda batch: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    seq.extend([1, 2])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        eng.forward_now(seq, 3)
+    assert seq.cached == 0 and not seq.blocks  # dropped: its cache is in doubt
+    monkeypatch.setattr(eng, "_run", real)
+    close(eng.forward_now(seq, 3)[0], fresh(models, seq.tokens, 3))
+
+
+def test_every_block_comes_back(models):
+    eng = engine(models)
+    seqs = [eng.new_sequence() for _ in range(6)]
+    for i, seq in enumerate(seqs):
+        seq.sync(0, tokens(5 + 11 * i, i))
+    with eng.cond:
+        works = [eng.submit(seq, 1) for seq in seqs]
+    eng.release(seqs[0])  # closed while waiting
+    for work in works[1:]:
+        work.future.result()
+    assert works[0].future.cancelled()
+    for seq in seqs[1:]:
+        eng.release(seq)
+    assert len(eng.pool.free) == eng.pool.capacity and not eng.holders and not eng.queue
