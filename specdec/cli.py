@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(p, "--device", env="SPECDEC_DEVICE", default="cpu", help="torch device of both models")
     flags.add(p, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
               help="the orchestrator drafts each round's successor while the round is verified")
+    flags.add(p, "--kv-cache-bytes", env="SPECDEC_KV_CACHE_BYTES", type=flags.byte_size, default="1GiB",
+              help="the verifier's KV pool, shared by all sessions")
+    flags.add(p, "--max-batch-rows", env="SPECDEC_MAX_BATCH_ROWS", type=int, default=64,
+              help="sessions one forward pass of the verifier or a drafter may run (1: no batching)")
     flags.add(p, "--startup-timeout", env="SPECDEC_STARTUP_TIMEOUT", type=float, default=600.0,
               help="seconds to wait for every service to serve")
 
@@ -165,11 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add(p, "--orchestrator", env="SPECDEC_ADDRESS", default="127.0.0.1:50051",
                   help="the orchestrator's host:port")
 
-    from specdec import bench
+    from specdec import bench, bench_load
 
     bench.build_parser(sub.add_parser("bench", help="target alone vs assisted vs specdec, side by side",
                                       description=bench.__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter))
+    bench_load.build_parser(sub.add_parser("bench-load", help="many concurrent streams: batched, K fixed or "
+                                                              "load-aware, against no batching",
+                                           description=bench_load.__doc__,
+                                           formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -185,4 +193,8 @@ def main(argv=None) -> None:
         from specdec import bench
 
         raise SystemExit(bench.main_with(args))
+    if args.command == "bench-load":
+        from specdec import bench_load
+
+        raise SystemExit(bench_load.main_with(args))
     raise SystemExit(generate(args))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
-from specdec.errors import Overloaded
+from specdec.errors import NeedsResync, Overloaded, RESYNC_DETAIL
 from specdec.kv import KVPool, PagedSequence
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,10 @@ def check_supported(model) -> None:
         raise ValueError(f"{config.model_type}: the model does not use transformers' attention interface")
 
 
+def _closed() -> NeedsResync:
+    return NeedsResync(f"the session was closed during the call; {RESYNC_DETAIL}")
+
+
 class Engine:
     """Runs one model for all sessions of a service; see the module docstring."""
 
@@ -198,11 +202,12 @@ class Engine:
                 self.cond.notify()
 
     def release(self, seq: PagedSequence) -> None:
-        """A closed session: its blocks go back to the pool, its waiting work is dropped."""
+        """A closed session: its blocks go back to the pool; a call still waiting on it
+        learns that the session is gone (the caller resends it)."""
         with self.cond:
             seq.released = True
             for work in [w for w in self.queue if w.seq is seq and not w.in_pass]:
-                self._finish(work)
+                self._finish(work, error=_closed())
             self._evict(seq)
             self.cond.notify()
 
@@ -335,7 +340,7 @@ class Engine:
             work, seq = row.work, row.work.seq
             work.in_pass = False
             if seq.released:
-                self._finish(work)
+                self._finish(work, error=_closed())
             elif error is not None:
                 self._evict(seq)  # its cache is in doubt: it recomputes from its tokens
                 self._finish(work, error=error)

@@ -37,18 +37,19 @@ class Service:
 
 
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
-         device: str = "cpu", overlap: bool = False) -> list[Service]:
+         device: str = "cpu", overlap: bool = False, verifier_flags: list[str] = (),
+         drafter_flags: list[str] = ()) -> list[Service]:
     """The processes of one deployment; `draft` is "ngram" or a draft model."""
     python = [sys.executable, "-m"]
     verifier = Service("verifier", free_port(), [])
     verifier.argv = [*python, "verifier_service", "--host", HOST, "--port", str(verifier.port),
-                     "--model", target, "--dtype", dtype, "--device", device]
+                     "--model", target, "--dtype", dtype, "--device", device, *verifier_flags]
     drafters = []
     for i in range(num_drafters):
         d = Service(f"drafter-{i}", free_port(), [])
         proposer = ["--proposer", "ngram"] if draft == "ngram" else [
             "--proposer", "model", "--model", draft, "--dtype", dtype, "--device", device]
-        d.argv = [*python, "drafter_service", "--host", HOST, "--port", str(d.port), *proposer]
+        d.argv = [*python, "drafter_service", "--host", HOST, "--port", str(d.port), *proposer, *drafter_flags]
         drafters.append(d)
     orchestrator = Service("orchestrator", port, [])
     orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port),
@@ -103,7 +104,9 @@ def stop(services: list[Service], grace_s: float = 10.0) -> None:
 
 
 def up(args) -> int:
-    services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device, args.overlap)
+    batching = ["--max-batch-rows", str(args.max_batch_rows)]
+    services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device, args.overlap,
+                    verifier_flags=[*batching, "--kv-cache-bytes", str(args.kv_cache_bytes)], drafter_flags=batching)
     stopping = False
 
     def on_signal(signum, frame):

@@ -1,5 +1,7 @@
 """Prompt lookup on small hand-written token lists."""
 
+import asyncio
+
 from drafter_service.proposers import NgramProposer
 from specdec.common.v1 import common_pb2
 from specdec.kv import TokenSequence
@@ -30,6 +32,9 @@ def test_stops_at_the_end_of_the_sequence():
 def test_propose_appends_drafts_without_probabilities():
     seq = TokenSequence()
     seq.sync(0, [1, 2, 3, 1, 2])
-    drafts = list(NgramProposer(max_n=2).propose(seq, 2, GREEDY))
+    async def drafted():
+        return [d async for d in NgramProposer(max_n=2).propose(seq, 2, GREEDY)]
+
+    drafts = asyncio.run(drafted())
     assert drafts == [(3, None), (1, None)]
     assert seq.tokens == [1, 2, 3, 1, 2, 3, 1]

@@ -1,0 +1,268 @@
+"""Load benchmark: `specdec bench-load`, many concurrent streams against one deployment.
+
+At each concurrency (default 1, 4, 8, 16, 64 streams), in one run, one variant after
+the other on the same prompts (cycled over the streams), greedy:
+  target      the target alone through the same services (K = 0), batched
+  fixed       speculation with the K of -k, batched
+  adaptive    K chosen per round by the orchestrator from the batched costs (the default)
+  unbatched   the default (K chosen per round) with batching off (--max-batch-rows 1
+              on the verifier and the drafters: one session per forward pass)
+Per cell: aggregate committed tokens/s (all streams' tokens over the cell's wall time),
+per-request time to first token and inter-token latency (p50, p99), acceptance, mean
+rows per verifier pass, failed requests by status code, and how many outputs equal the
+target's own greedy output (transformers `generate`, in this process). Writes
+bench-load.json, bench-load.md and bench-load.png (throughput and p99 inter-token
+latency against concurrency) to --out."""
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from specdec import launch, modeling
+from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+
+log = logging.getLogger("bench-load")
+
+DEFAULT_PROMPTS = Path(__file__).parent / "bench_prompts.txt"
+VARIANTS = ("target", "fixed", "adaptive", "unbatched")
+
+
+@dataclass
+class Stream:
+    """One request of a cell."""
+    prompt: int
+    tokens: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # s after the cell started
+    started: float = 0.0
+    ended: float = 0.0
+    error: str = ""
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    batch_rows: float = 0.0
+
+
+async def one_stream(stub, stream: Stream, ids: list[int], max_new_tokens: int, k: int | None, t0: float) -> None:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=max_new_tokens)
+    if k is not None:
+        request.num_speculative_tokens = k
+    stream.started = time.perf_counter() - t0
+    try:
+        async for message in stub.Generate(request, timeout=3600):
+            now = time.perf_counter() - t0
+            if message.HasField("chunk"):
+                stream.tokens += message.chunk.token_ids
+                stream.arrivals += [now] * len(message.chunk.token_ids)
+            else:
+                s = message.result.stats
+                stream.rounds, stream.draft_tokens, stream.accepted_tokens = s.rounds, s.draft_tokens, s.accepted_tokens
+                stream.batch_rows = s.mean_batch_rows
+    except grpc.aio.AioRpcError as err:
+        stream.error = err.code().name
+    stream.ended = time.perf_counter() - t0
+
+
+async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tokens: int, k: int | None):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        runs = [Stream(i % len(prompts)) for i in range(streams)]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_stream(stub, r, prompts[r.prompt], max_new_tokens, k, t0) for r in runs))
+        return runs, time.perf_counter() - t0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(runs: list[Stream], wall_s: float, reference: dict[int, list[int]], alone: dict[int, list[int]]) -> dict:
+    ok = [r for r in runs if not r.error]
+    gaps = [b - a for r in ok for a, b in zip(r.arrivals, r.arrivals[1:]) if b > a]
+    drafted = sum(r.draft_tokens for r in ok)
+    rounds = sum(r.rounds for r in ok)
+    errors: dict[str, int] = {}
+    for r in runs:
+        if r.error:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return {
+        "streams": len(runs), "failed": len(runs) - len(ok), "errors": errors,
+        "tokens": sum(len(r.tokens) for r in ok), "wall_s": wall_s,
+        "tokens_per_s": sum(len(r.tokens) for r in ok) / wall_s,
+        "ttft_s_p50": _percentile([r.arrivals[0] - r.started for r in ok if r.arrivals], 50),
+        "ttft_s_p99": _percentile([r.arrivals[0] - r.started for r in ok if r.arrivals], 99),
+        "itl_s_p50": _percentile(gaps, 50), "itl_s_p99": _percentile(gaps, 99),
+        "latency_s_p99": _percentile([r.ended - r.started for r in ok], 99),
+        "acceptance": sum(r.accepted_tokens for r in ok) / drafted if drafted else None,
+        "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
+        "mean_batch_rows": sum(r.batch_rows * r.rounds for r in ok) / rounds if rounds else 0.0,
+        "same_as_target": sum(r.tokens == reference[r.prompt] for r in ok),
+        "same_as_alone": sum(r.tokens == alone[r.prompt] for r in ok if r.prompt in alone),
+    }
+
+
+def markdown(cells: dict, meta: dict) -> str:
+    lines = [f"target `{meta['target']}`, draft `{meta['draft']}`, {meta['num_drafters']} drafter(s), "
+             f"K={meta['k']} for `fixed`, {meta['prompts']} prompts cycled over the streams, "
+             f"{meta['max_new_tokens']} new tokens per request, greedy, device {meta['device']}", "",
+             f"single-stream target alone (`target` at 1): {meta['single_target_tokens_per_s']:.1f} tok/s", "",
+             "| streams | variant | tok/s | x single target | of batched target | TTFT p50/p99 ms | "
+             "ITL p50/p99 ms | acceptance | drafts/round | rows/pass | failed | same as target | "
+             "same as alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    single = meta["single_target_tokens_per_s"]
+    for streams, by_variant in cells.items():
+        target = by_variant.get("target")
+        for variant, row in by_variant.items():
+            of_target = f"{row['tokens_per_s'] / target['tokens_per_s']:.0%}" if target else "-"
+            acceptance = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+            failed = str(row["failed"]) + (f" {row['errors']}" if row["errors"] else "")
+            lines.append(
+                f"| {streams} | {variant} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / single:.2f}x | "
+                f"{of_target} | {row['ttft_s_p50'] * 1e3:.0f}/{row['ttft_s_p99'] * 1e3:.0f} | "
+                f"{row['itl_s_p50'] * 1e3:.0f}/{row['itl_s_p99'] * 1e3:.0f} | {acceptance} | "
+                f"{row['draft_tokens_per_round']:.2f} | {row['mean_batch_rows']:.1f} | {failed} | "
+                f"{row['same_as_target']}/{row['streams'] - row['failed']} | "
+                f"{row['same_as_alone']}/{row['streams'] - row['failed']} |")
+    lines += ["", "same as target: outputs equal to the target's own greedy `generate`; same as alone: equal to "
+                  "the same variant's output for that prompt at 1 stream (a difference is a near-tie flipped by "
+                  "batching)."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(cells: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    levels = list(cells)
+    for variant in VARIANTS:
+        xs = [c for c in levels if variant in cells[c]]
+        if not xs:
+            continue
+        left.plot(xs, [cells[c][variant]["tokens_per_s"] for c in xs], marker="o", label=variant)
+        right.plot(xs, [cells[c][variant]["itl_s_p99"] * 1e3 for c in xs], marker="o", label=variant)
+    for ax, title, ylabel in ((left, "Aggregate throughput", "committed tokens/s"),
+                              (right, "p99 inter-token latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def reference_outputs(target: str, dtype: str, device: str, prompts: list[list[int]], max_new_tokens: int):
+    """The target's own greedy output per prompt (transformers `generate`)."""
+    import torch
+
+    model, _ = modeling.load_model(target, dtype, device)
+    out = {}
+    with torch.inference_mode():
+        for i, ids in enumerate(prompts):
+            generated = model.generate(torch.tensor([ids], device=device), do_sample=False,
+                                       attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                                       max_new_tokens=max_new_tokens)
+            out[i] = generated[0, len(ids):].tolist()
+    return out
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="specdec bench-load", description=__doc__,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
+    parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
+    parser.add_argument("--num-drafters", type=int, default=1)
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="a text file, one prompt per line")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", default="1,4,8,16,64", help="stream counts, comma-separated")
+    parser.add_argument("-k", type=int, default=2, help="K of the fixed variant")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
+    parser.add_argument("--out", type=Path, default=Path("bench-load-out"))
+    return parser
+
+
+def run(args) -> dict:
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if set(variants) - set(VARIANTS):
+        raise SystemExit(f"--variants: unknown {sorted(set(variants) - set(VARIANTS))}")
+    if "target" not in variants:
+        variants.insert(0, "target")  # the yardstick of every row
+    levels = [int(c) for c in args.concurrency.split(",")]
+    tokenizer = modeling.load_tokenizer(args.target)
+    texts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for t in texts]
+    reference = reference_outputs(args.target, args.dtype, args.device, prompts, args.max_new_tokens)
+    deployments = {"batched": launch.plan(args.target, args.draft, args.num_drafters, launch.free_port(), args.dtype,
+                                          args.device)}
+    if "unbatched" in variants:
+        off = ["--max-batch-rows", "1"]
+        deployments["unbatched"] = launch.plan(args.target, args.draft, args.num_drafters, launch.free_port(),
+                                               args.dtype, args.device, verifier_flags=off, drafter_flags=off)
+    ks = {"target": 0, "fixed": args.k, "adaptive": None, "unbatched": None}
+    for services in deployments.values():
+        launch.start(services)
+    cells: dict[int, dict] = {}
+    alone: dict[str, dict[int, list[int]]] = {v: {} for v in variants}
+    try:
+        for services in deployments.values():
+            launch.wait_serving(services, 900)
+        address = {v: deployments["unbatched" if v == "unbatched" else "batched"][-1].address for v in variants}
+        for v in variants:  # first calls pay one-off costs: keep them out of the figures
+            asyncio.run(cell(address[v], prompts[:1], 1, 4, ks[v]))
+        for streams in levels:
+            cells[streams] = {}
+            for v in variants:
+                runs, wall = asyncio.run(cell(address[v], prompts, streams, args.max_new_tokens, ks[v]))
+                if streams == 1 or not alone[v]:
+                    alone[v].update({r.prompt: r.tokens for r in runs if not r.error and r.prompt not in alone[v]})
+                cells[streams][v] = summarize(runs, wall, reference, alone[v])
+                log.info("%3d streams %-9s %6.1f tok/s, %d failed", streams, v, cells[streams][v]["tokens_per_s"],
+                         cells[streams][v]["failed"])
+    finally:
+        for services in deployments.values():
+            launch.stop(services)
+    single = cells[levels[0]]["target"]["tokens_per_s"] / levels[0]
+    meta = {"target": args.target, "draft": args.draft, "num_drafters": args.num_drafters, "k": args.k,
+            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": args.device,
+            "dtype": args.dtype, "single_target_tokens_per_s": single, "command": " ".join(sys.argv)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"meta": meta, "cells": {str(c): v for c, v in cells.items()}}
+    (args.out / "bench-load.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "bench-load.md").write_text(markdown(cells, meta))
+    chart(cells, args.out / "bench-load.png")
+    return report
+
+
+def main_with(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    report = run(args)
+    print((args.out / "bench-load.md").read_text())
+    failed = sum(row["failed"] for by_variant in report["cells"].values() for row in by_variant.values())
+    return 1 if failed else 0
+
+
+def main(argv=None) -> None:
+    raise SystemExit(main_with(build_parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

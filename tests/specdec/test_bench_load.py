@@ -1,0 +1,33 @@
+"""`specdec bench-load` as a smoke test on the tiny pair: every variant runs at two
+concurrencies through real services, the outputs are written, nothing fails, and every
+output is the target's. Not a timing test."""
+
+import json
+
+from specdec import bench_load, cli
+
+
+def test_bench_load_runs_every_variant(tiny_pair, tmp_path):
+    target, draft, _ = tiny_pair
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a haiku about the sea.\nList three colors.\nName a fruit.\n")
+    out = tmp_path / "out"
+    args = cli.build_parser().parse_args(
+        ["bench-load", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+         "--max-new-tokens", "10", "--concurrency", "1,4", "-k", "2", "--out", str(out)])
+    assert bench_load.main_with(args) == 0
+
+    report = json.loads((out / "bench-load.json").read_text())
+    assert set(report["cells"]) == {"1", "4"}
+    for streams, by_variant in report["cells"].items():
+        assert set(by_variant) == set(bench_load.VARIANTS)
+        for name, row in by_variant.items():
+            assert row["streams"] == int(streams) and row["failed"] == 0, (streams, name)
+            assert row["same_as_target"] == row["streams"], (streams, name)
+            assert row["tokens"] > 0 and row["tokens_per_s"] > 0
+        assert by_variant["target"]["draft_tokens_per_round"] == 0
+        assert by_variant["fixed"]["draft_tokens_per_round"] > 0
+        assert by_variant["unbatched"]["mean_batch_rows"] == 1.0
+    assert report["cells"]["4"]["target"]["mean_batch_rows"] > 1
+    assert (out / "bench-load.png").stat().st_size > 0
+    assert "| 4 | adaptive |" in (out / "bench-load.md").read_text()
