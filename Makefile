@@ -11,7 +11,9 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# The CPU build of torch; an unpinned torch pulls several GB of CUDA packages.
+	# torch pinned: on our build machines pip takes a local CPU wheel (2.13.0+cpu) for it;
+	# an unpinned torch pulls several GB of CUDA packages. Elsewhere PyPI's Linux 2.13.0 is
+	# a CUDA build too: add --index-url https://download.pytorch.org/whl/cpu for the CPU one.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	# Only the GGUF file of the default target is needed: skip the package's own

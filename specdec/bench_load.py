@@ -1,27 +1,31 @@
 """Load benchmark: `specdec bench-load`, many concurrent streams against one deployment.
 
 At each concurrency (default 1, 4, 8, 16, 64 streams), in one run, one variant after
-the other on the same prompts (cycled over the streams), greedy:
+the other, greedy. A cell is a closed loop held for --duration seconds: each stream
+sends a request, and the next one (the next prompt of the set) as soon as it ends; at
+the end of the window the requests still running are cancelled. Variants:
   target      the target alone through the same services (K = 0), batched
   fixed       speculation with the K of -k, batched
   adaptive    K chosen per round by the orchestrator from the batched costs (the default)
   unbatched   the default (K chosen per round) with batching off (--max-batch-rows 1
               on the verifier and the drafters: one session per forward pass)
-Per cell: aggregate committed tokens/s (all streams' tokens over the cell's wall time),
-per-request time to first token and inter-token latency (p50, p99), acceptance, mean
-rows per verifier pass, failed requests by status code, and how many outputs equal the
+Per cell: aggregate committed tokens/s (every token streamed inside the window, over
+the window), time to first token and inter-token latency (p50, p99), acceptance, mean
+rows per verifier pass, failed requests by status code (a request the window cut is
+not a failure), and how many outputs (or, for a cut request, its prefix) equal the
 target's own greedy output (transformers `generate`, in this process). Writes
 bench-load.json, bench-load.md and bench-load.png (throughput and p99 inter-token
 latency against concurrency) to --out."""
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -36,7 +40,7 @@ VARIANTS = ("target", "fixed", "adaptive", "unbatched")
 
 
 @dataclass
-class Stream:
+class Request:
     """One request of a cell."""
     prompt: int
     tokens: list[int] = field(default_factory=list)
@@ -44,39 +48,59 @@ class Stream:
     started: float = 0.0
     ended: float = 0.0
     error: str = ""
+    complete: bool = False
     rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     batch_rows: float = 0.0
 
 
-async def one_stream(stub, stream: Stream, ids: list[int], max_new_tokens: int, k: int | None, t0: float) -> None:
+async def one_request(stub, req: Request, ids: list[int], max_new_tokens: int, k: int | None, t0: float) -> None:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=max_new_tokens)
     if k is not None:
         request.num_speculative_tokens = k
-    stream.started = time.perf_counter() - t0
+    req.started = time.perf_counter() - t0
     try:
         async for message in stub.Generate(request, timeout=3600):
             now = time.perf_counter() - t0
             if message.HasField("chunk"):
-                stream.tokens += message.chunk.token_ids
-                stream.arrivals += [now] * len(message.chunk.token_ids)
+                req.tokens += message.chunk.token_ids
+                req.arrivals += [now] * len(message.chunk.token_ids)
             else:
                 s = message.result.stats
-                stream.rounds, stream.draft_tokens, stream.accepted_tokens = s.rounds, s.draft_tokens, s.accepted_tokens
-                stream.batch_rows = s.mean_batch_rows
+                req.rounds, req.draft_tokens, req.accepted_tokens = s.rounds, s.draft_tokens, s.accepted_tokens
+                req.batch_rows = s.mean_batch_rows
+                req.complete = True
     except grpc.aio.AioRpcError as err:
-        stream.error = err.code().name
-    stream.ended = time.perf_counter() - t0
+        req.error = err.code().name
+    req.ended = time.perf_counter() - t0
 
 
-async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tokens: int, k: int | None):
+async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tokens: int, k: int | None,
+               duration_s: float) -> list[Request]:
+    """`streams` closed loops for `duration_s`; the requests still running then are cancelled."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-        runs = [Stream(i % len(prompts)) for i in range(streams)]
+        requests: list[Request] = []
         t0 = time.perf_counter()
-        await asyncio.gather(*(one_stream(stub, r, prompts[r.prompt], max_new_tokens, k, t0) for r in runs))
-        return runs, time.perf_counter() - t0
+
+        async def loop(stream: int):
+            for n in itertools.count():
+                req = Request((stream + n * streams) % len(prompts))
+                requests.append(req)
+                await one_request(stub, req, prompts[req.prompt], max_new_tokens, k, t0)
+                if req.error:
+                    return
+
+        loops = [asyncio.ensure_future(loop(i)) for i in range(streams)]
+        await asyncio.sleep(duration_s)
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        for req in requests:
+            if not req.complete and not req.error:
+                req.error = "CUT"  # still running when the window closed
+        return requests
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -86,28 +110,33 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def summarize(runs: list[Stream], wall_s: float, reference: dict[int, list[int]], alone: dict[int, list[int]]) -> dict:
-    ok = [r for r in runs if not r.error]
-    gaps = [b - a for r in ok for a, b in zip(r.arrivals, r.arrivals[1:]) if b > a]
-    drafted = sum(r.draft_tokens for r in ok)
-    rounds = sum(r.rounds for r in ok)
+def summarize(requests: list[Request], window_s: float, reference: dict[int, list[int]],
+              alone: dict[int, list[int]]) -> dict:
+    done = [r for r in requests if r.complete]
+    seen = [r for r in requests if r.complete or r.error == "CUT"]  # cut ones count up to the cut
+    gaps = [b - a for r in seen for a, b in zip(r.arrivals, r.arrivals[1:]) if b > a]
+    drafted = sum(r.draft_tokens for r in done)
+    rounds = sum(r.rounds for r in done)
     errors: dict[str, int] = {}
-    for r in runs:
-        if r.error:
+    for r in requests:
+        if r.error and r.error != "CUT":
             errors[r.error] = errors.get(r.error, 0) + 1
     return {
-        "streams": len(runs), "failed": len(runs) - len(ok), "errors": errors,
-        "tokens": sum(len(r.tokens) for r in ok), "wall_s": wall_s,
-        "tokens_per_s": sum(len(r.tokens) for r in ok) / wall_s,
-        "ttft_s_p50": _percentile([r.arrivals[0] - r.started for r in ok if r.arrivals], 50),
-        "ttft_s_p99": _percentile([r.arrivals[0] - r.started for r in ok if r.arrivals], 99),
+        "requests": len(done), "cut": sum(r.error == "CUT" for r in requests), "failed": sum(errors.values()),
+        "errors": errors, "window_s": window_s,
+        "tokens": sum(sum(t <= window_s for t in r.arrivals) for r in seen),
+        "tokens_per_s": sum(sum(t <= window_s for t in r.arrivals) for r in seen) / window_s,
+        "ttft_s_p50": _percentile([r.arrivals[0] - r.started for r in seen if r.arrivals], 50),
+        "ttft_s_p99": _percentile([r.arrivals[0] - r.started for r in seen if r.arrivals], 99),
         "itl_s_p50": _percentile(gaps, 50), "itl_s_p99": _percentile(gaps, 99),
-        "latency_s_p99": _percentile([r.ended - r.started for r in ok], 99),
-        "acceptance": sum(r.accepted_tokens for r in ok) / drafted if drafted else None,
+        "latency_s_p99": _percentile([r.ended - r.started for r in done], 99),
+        "acceptance": sum(r.accepted_tokens for r in done) / drafted if drafted else None,
         "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
-        "mean_batch_rows": sum(r.batch_rows * r.rounds for r in ok) / rounds if rounds else 0.0,
-        "same_as_target": sum(r.tokens == reference[r.prompt] for r in ok),
-        "same_as_alone": sum(r.tokens == alone[r.prompt] for r in ok if r.prompt in alone),
+        "mean_batch_rows": sum(r.batch_rows * r.rounds for r in done) / rounds if rounds else 0.0,
+        "checked": len(seen),
+        "same_as_target": sum(r.tokens == reference[r.prompt][:len(r.tokens)] for r in seen),
+        "same_as_alone": sum(r.tokens == alone[r.prompt][:len(r.tokens)] for r in seen if r.prompt in alone),
+        "checked_alone": sum(r.prompt in alone for r in seen),
     }
 
 
@@ -117,9 +146,9 @@ def markdown(cells: dict, meta: dict) -> str:
              f"{meta['max_new_tokens']} new tokens per request, greedy, device {meta['device']}", "",
              f"single-stream target alone (`target` at 1): {meta['single_target_tokens_per_s']:.1f} tok/s", "",
              "| streams | variant | tok/s | x single target | of batched target | TTFT p50/p99 ms | "
-             "ITL p50/p99 ms | acceptance | drafts/round | rows/pass | failed | same as target | "
-             "same as alone |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p50/p99 ms | latency p99 s | acceptance | drafts/round | rows/pass | requests (cut) | failed | "
+             "same as target | same as alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     single = meta["single_target_tokens_per_s"]
     for streams, by_variant in cells.items():
         target = by_variant.get("target")
@@ -130,13 +159,14 @@ def markdown(cells: dict, meta: dict) -> str:
             lines.append(
                 f"| {streams} | {variant} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / single:.2f}x | "
                 f"{of_target} | {row['ttft_s_p50'] * 1e3:.0f}/{row['ttft_s_p99'] * 1e3:.0f} | "
-                f"{row['itl_s_p50'] * 1e3:.0f}/{row['itl_s_p99'] * 1e3:.0f} | {acceptance} | "
-                f"{row['draft_tokens_per_round']:.2f} | {row['mean_batch_rows']:.1f} | {failed} | "
-                f"{row['same_as_target']}/{row['streams'] - row['failed']} | "
-                f"{row['same_as_alone']}/{row['streams'] - row['failed']} |")
-    lines += ["", "same as target: outputs equal to the target's own greedy `generate`; same as alone: equal to "
-                  "the same variant's output for that prompt at 1 stream (a difference is a near-tie flipped by "
-                  "batching)."]
+                f"{row['itl_s_p50'] * 1e3:.0f}/{row['itl_s_p99'] * 1e3:.0f} | {row['latency_s_p99']:.1f} | "
+                f"{acceptance} | {row['draft_tokens_per_round']:.2f} | {row['mean_batch_rows']:.1f} | "
+                f"{row['requests']} ({row['cut']}) | {failed} | {row['same_as_target']}/{row['checked']} | "
+                f"{row['same_as_alone']}/{row['checked_alone']} |")
+    lines += ["", "requests: completed in the window (cut: still running when it closed, cancelled; their tokens "
+                  "count up to the cut). same as target: outputs (a cut one's prefix) equal to the target's own "
+                  "greedy `generate`; same as alone: equal to the same variant's output for that prompt at the "
+                  "lowest concurrency (a difference is a near-tie flipped by batching)."]
     return "\n".join(lines) + "\n"
 
 
@@ -191,6 +221,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="a text file, one prompt per line")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,4,8,16,64", help="stream counts, comma-separated")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds each cell's load is held")
     parser.add_argument("-k", type=int, default=2, help="K of the fixed variant")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
     parser.add_argument("--device", default="cpu")
@@ -227,20 +258,20 @@ def run(args) -> dict:
             launch.wait_serving(services, 900)
         address = {v: deployments["unbatched" if v == "unbatched" else "batched"][-1].address for v in variants}
         for v in variants:  # first calls pay one-off costs: keep them out of the figures
-            asyncio.run(cell(address[v], prompts[:1], 1, 4, ks[v]))
+            asyncio.run(cell(address[v], prompts[:1], 1, 4, ks[v], 2.0))
         for streams in levels:
             cells[streams] = {}
             for v in variants:
-                runs, wall = asyncio.run(cell(address[v], prompts, streams, args.max_new_tokens, ks[v]))
-                if streams == 1 or not alone[v]:
-                    alone[v].update({r.prompt: r.tokens for r in runs if not r.error and r.prompt not in alone[v]})
-                cells[streams][v] = summarize(runs, wall, reference, alone[v])
+                requests = asyncio.run(cell(address[v], prompts, streams, args.max_new_tokens, ks[v], args.duration))
+                if streams == levels[0]:
+                    alone[v].update({r.prompt: r.tokens for r in requests if r.complete and r.prompt not in alone[v]})
+                cells[streams][v] = summarize(requests, args.duration, reference, alone[v])
                 log.info("%3d streams %-9s %6.1f tok/s, %d failed", streams, v, cells[streams][v]["tokens_per_s"],
                          cells[streams][v]["failed"])
     finally:
         for services in deployments.values():
             launch.stop(services)
-    single = cells[levels[0]]["target"]["tokens_per_s"] / levels[0]
+    single = cells[levels[0]]["target"]["tokens_per_s"] / levels[0]  # per stream, at the lowest concurrency
     meta = {"target": args.target, "draft": args.draft, "num_drafters": args.num_drafters, "k": args.k,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": args.device,
             "dtype": args.dtype, "single_target_tokens_per_s": single, "command": " ".join(sys.argv)}

@@ -1,6 +1,6 @@
 """`specdec bench-load` as a smoke test on the tiny pair: every variant runs at two
-concurrencies through real services, the outputs are written, nothing fails, and every
-output is the target's. Not a timing test."""
+concurrencies through real services (closed loops of 3 s), the outputs are written,
+nothing fails, and every output is the target's. Not a timing test."""
 
 import json
 
@@ -14,7 +14,7 @@ def test_bench_load_runs_every_variant(tiny_pair, tmp_path):
     out = tmp_path / "out"
     args = cli.build_parser().parse_args(
         ["bench-load", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
-         "--max-new-tokens", "10", "--concurrency", "1,4", "-k", "2", "--out", str(out)])
+         "--max-new-tokens", "10", "--concurrency", "1,4", "--duration", "3", "-k", "2", "--out", str(out)])
     assert bench_load.main_with(args) == 0
 
     report = json.loads((out / "bench-load.json").read_text())
@@ -22,8 +22,8 @@ def test_bench_load_runs_every_variant(tiny_pair, tmp_path):
     for streams, by_variant in report["cells"].items():
         assert set(by_variant) == set(bench_load.VARIANTS)
         for name, row in by_variant.items():
-            assert row["streams"] == int(streams) and row["failed"] == 0, (streams, name)
-            assert row["same_as_target"] == row["streams"], (streams, name)
+            assert row["requests"] >= int(streams) and row["failed"] == 0, (streams, name)
+            assert row["same_as_target"] == row["checked"] >= row["requests"], (streams, name)
             assert row["tokens"] > 0 and row["tokens_per_s"] > 0
         assert by_variant["target"]["draft_tokens_per_round"] == 0
         assert by_variant["fixed"]["draft_tokens_per_round"] > 0
