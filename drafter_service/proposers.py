@@ -60,8 +60,8 @@ class ModelProposer(Proposer):
 
     async def propose(self, seq: PagedSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
         draws = sampling.Draws(params.seed, "draft")
-        for _ in range(k):
-            logits = (await seq.logits(1))[0][0]  # [vocab]
+        for i in range(k):
+            logits = (await seq.logits(1, again=i + 1 < k))[0][0]  # [vocab]
             if sampling.is_greedy(params):
                 token, q = int(self._token(logits.argmax())), None
             else:

@@ -84,6 +84,12 @@ class RoundCosts:
     def alpha(self) -> float:
         return self.accepted / self.tested
 
+    def describe(self) -> str:
+        passes = ", ".join(f"{t}: {s * 1e3:.0f}" for t, s in sorted(self.batch_pass.at.items()))
+        drafts = ", ".join(f"{k}: {s * 1e3:.0f}" for k, s in sorted(self.draft.at.items()))
+        return (f"alpha {self.alpha:.2f}, rows {self.rows:.1f}, call beyond pass {self.overhead * 1e3:.0f} ms, "
+                f"pass ms by tokens {{{passes}}}, drafter call ms by K {{{drafts}}}")
+
     def verify(self, k: int) -> float | None:
         """A verifier call at K = k when every row of a pass drafts k (SmartSpec's goodput
         view: one session's larger K makes every session's pass longer)."""
@@ -122,12 +128,18 @@ class FixedK:
 class AdaptiveK:
     """K per round from measured acceptance and costs. Until both costs are known for a
     few Ks it tries them (the deployment's first rounds); later, one round in
-    `probe_every` tries a neighbour of the best K so that estimates stay current."""
+    `probe_every` tries a neighbour of the best K so that estimates stay current.
+
+    Speculation must promise `min_gain` more than the target alone before it is chosen:
+    the model does not see everything a draft costs (a drafter on the verifier's cores
+    takes CPU from every session's pass; a late row holds the next pass back), and at a
+    near tie it measured slower (8 streams on the default pair: K≈0.6 drafts per round at
+    a predicted tie gave 78% of the target alone's throughput)."""
 
     def __init__(self, costs: RoundCosts, k_max: int, k_start: int, probe_every: int = 16,
-                 prior_weight: float = 4.0, seed: int | None = None):
+                 prior_weight: float = 4.0, seed: int | None = None, min_gain: float = 0.1):
         self.costs, self.k_max, self.k_start = costs, k_max, min(k_start, k_max)
-        self.probe_every, self.prior_weight = probe_every, prior_weight
+        self.probe_every, self.prior_weight, self.min_gain = probe_every, prior_weight, min_gain
         self.accepted, self.tested, self.rounds = 0, 0, 0
         self.rng = random.Random(seed)
 
@@ -155,6 +167,8 @@ class AdaptiveK:
         speeds = {k: self.speed(k) for k in range(self.k_max + 1)}
         known = {k: s for k, s in speeds.items() if s is not None}
         best = max(known, key=known.get) if known else self.k_start
+        if best > 0 and 0 in known and known[best] < (1 + self.min_gain) * known[0]:
+            best = 0
         if self.rounds % self.probe_every == 0:
             neighbour = best + self.rng.choice((-1, 1)) if best > 0 else 1
             return min(self.k_max, neighbour)

@@ -175,8 +175,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             if tail:
                 yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
             yield pb.GenerateResponse(result=self.result(req, text, stats))
-            log.info("[%s] done: %d tokens in %d rounds, acceptance %.2f, %d resyncs, %d drafter failovers",
-                     req.id, len(text.ids), stats.rounds, _rate(stats), stats.resyncs, stats.drafter_failovers)
+            log.info("[%s] done: %d tokens in %d rounds (by drafts: %s), acceptance %.2f, %d resyncs, %d drafter "
+                     "failovers", req.id, len(text.ids), stats.rounds, dict(sorted(stats.rounds_by_k.items())),
+                     _rate(stats), stats.resyncs, stats.drafter_failovers)
+            if req.k is None:
+                log.debug("[%s] costs: %s", req.id, self.costs.describe())
         except grpc.aio.AioRpcError as err:
             log.error("[%s] verifier failed: %s %s", req.id, err.code().name, err.details())
             code = err.code() if err.code() == grpc.StatusCode.INVALID_ARGUMENT else grpc.StatusCode.UNAVAILABLE

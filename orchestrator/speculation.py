@@ -37,6 +37,7 @@ class Stats:
     draft_s: float = 0.0  # time the rounds waited on the drafter
     verify_s: float = 0.0  # and on the verifier
     pass_rows: int = 0  # rows of the verifier passes that ran the rounds, summed
+    rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per number of drafts
 
     def observe_pass(self, batch_pass: Pass | None) -> None:
         if batch_pass is not None:
@@ -44,6 +45,7 @@ class Stats:
 
     def record(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
+        self.rounds_by_k[drafted] = self.rounds_by_k.get(drafted, 0) + 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         if len(self.accepted_per_position) < drafted:

@@ -35,6 +35,7 @@ from specdec.kv import KVPool, PagedSequence
 log = logging.getLogger(__name__)
 
 ATTENTION = "specdec_paged"
+LOG_EVERY_S = 30.0
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Work:
     seq: PagedSequence
     last: int  # logits wanted for the last `last` tokens
     order: int
+    again: bool = True  # the caller will submit again right after this
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     parts: list[torch.Tensor] = field(default_factory=list)  # logits from earlier chunks
     cancelled: bool = False
@@ -125,7 +127,7 @@ class Engine:
     """Runs one model for all sessions of a service; see the module docstring."""
 
     def __init__(self, model, kv_cache_bytes: int, max_batch_rows: int = 64, max_batch_tokens: int = 256,
-                 max_waiting: int = 64, block_size: int = 16):
+                 max_waiting: int = 64, block_size: int = 16, gather: float = 0.25):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be >= 1")
         check_supported(model)
@@ -140,8 +142,11 @@ class Engine:
         self.admissions = itertools.count(1)
         self.holders: set[PagedSequence] = set()  # sessions holding blocks
         self.stopped = False
+        self.gather, self.pass_seconds = gather, 0.0
         # Totals, for the benchmark and the logs.
         self.passes = self.rows = self.tokens = self.evictions = 0
+        self.busy_s = 0.0
+        self.logged = (time.monotonic(), 0, 0, 0, 0.0)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.thread.start()
         log.info("KV pool: %d blocks of %d tokens (%d tokens, %.1f MiB at %d bytes per token); batches of up to "
@@ -154,23 +159,27 @@ class Engine:
 
     # -- calls (any thread) --------------------------------------------------------------
 
-    def submit(self, seq: PagedSequence, last: int) -> Work:
+    def submit(self, seq: PagedSequence, last: int, again: bool = True) -> Work:
+        """Queues work; `again`: the caller will be back with more right after this one
+        (the next pass may wait a little for it)."""
         with self.cond:
             if self.pool.blocks_for(len(seq.tokens)) > self.pool.capacity:
                 raise Overloaded(f"the session holds {len(seq.tokens)} tokens; the KV pool holds "
                                  f"{self.pool.capacity * self.pool.block_size}")
-            if not seq.admitted and sum(not w.seq.admitted for w in self.queue) >= self.max_waiting:
-                raise Overloaded(f"{self.max_waiting} sessions are waiting for KV memory")
+            if not seq.admitted:
+                waiting = sum(not w.seq.admitted for w in self.queue)
+                if not (waiting == 0 and self._admit(seq)) and waiting >= self.max_waiting:
+                    raise Overloaded(f"{waiting} sessions are waiting for KV memory")
             seq.cached = min(seq.cached, len(seq.tokens) - last)  # logits come from computing those positions
-            work = Work(seq, last, next(self.orders))
+            work = Work(seq, last, next(self.orders), again)
             self.queue.append(work)
             self.cond.notify()
         return work
 
-    async def forward(self, seq: PagedSequence, last: int) -> tuple[torch.Tensor, Pass]:
+    async def forward(self, seq: PagedSequence, last: int, again: bool = True) -> tuple[torch.Tensor, Pass]:
         """Logits after each of the last `last` tokens of seq ([last, vocab]), and the
         pass that finished them."""
-        work = self.submit(seq, last)
+        work = self.submit(seq, last, again)
         done = asyncio.wrap_future(work.future)
         try:
             return await asyncio.shield(done)
@@ -178,6 +187,8 @@ class Engine:
             # The caller goes, but the session must not change under a pass that holds it.
             self.cancel(work)
             await asyncio.wait([done])
+            if not done.cancelled():
+                done.exception()  # nobody wants it now
             raise
 
     def forward_now(self, seq: PagedSequence, last: int) -> tuple[torch.Tensor, Pass]:
@@ -220,14 +231,20 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        coming: set[PagedSequence] = set()  # sessions of the last pass that said they would be back
         while True:
             with self.cond:
-                while not self.stopped and not (batch := self._schedule()):
+                while True:
+                    if self.stopped:
+                        return
+                    if self.queue:
+                        self._gather(coming)
+                        if batch := self._schedule():
+                            break
                     self.cond.wait()
-                if self.stopped:
-                    return
                 for row in batch:
                     row.work.in_pass = True
+                coming = {row.work.seq for row in batch if row.work.again}
             started = time.perf_counter()
             try:
                 logits, error = self._run(batch), None
@@ -237,6 +254,17 @@ class Engine:
             done = Pass(len(batch), sum(row.n for row in batch), time.perf_counter() - started)
             with self.cond:
                 self._commit(batch, logits, error, done)
+
+    def _gather(self, coming: set[PagedSequence]) -> None:
+        """Sessions of the last pass come back at slightly different moments (their
+        round trips through the network differ): wait a fraction of a pass for them, so
+        that they share the next pass instead of splitting into two half-full ones."""
+        deadline = time.monotonic() + self.gather * self.pass_seconds
+        while self.queue and not self.stopped:
+            queued = {w.seq for w in self.queue}
+            if all(seq in queued or seq.released for seq in coming) or time.monotonic() >= deadline:
+                return
+            self.cond.wait(deadline - time.monotonic())
 
     def _schedule(self) -> list[Row]:
         """This pass's rows: (work, tokens to compute now). Short rows first, oldest
@@ -272,13 +300,7 @@ class Engine:
         for all its tokens; a running one may take blocks back from newer sessions."""
         pool = self.pool
         if not seq.admitted:
-            need = pool.blocks_for(len(seq.tokens))
-            if need > len(pool.free):
-                return False
-            seq.blocks = pool.allocate(need)
-            seq.admitted = next(self.admissions)
-            self.holders.add(seq)
-            return True
+            return self._admit(seq)
         need = pool.blocks_for(seq.cached + n) - len(seq.blocks)
         while need > len(pool.free):
             newer = [s for s in self.holders if s.admitted > seq.admitted and s not in in_pass]
@@ -291,6 +313,15 @@ class Engine:
             self._evict(victim)
         if need > 0:
             seq.blocks.extend(pool.allocate(need))
+        return True
+
+    def _admit(self, seq: PagedSequence) -> bool:
+        need = self.pool.blocks_for(len(seq.tokens))
+        if need > len(self.pool.free):
+            return False
+        seq.blocks = self.pool.allocate(need)
+        seq.admitted = next(self.admissions)
+        self.holders.add(seq)
         return True
 
     def _evict(self, seq: PagedSequence) -> None:
@@ -335,6 +366,18 @@ class Engine:
         self.passes += 1
         self.rows += done.rows
         self.tokens += done.tokens
+        self.busy_s += done.seconds
+        self.pass_seconds = 0.9 * self.pass_seconds + 0.1 * done.seconds
+        now = time.monotonic()
+        if now - self.logged[0] >= LOG_EVERY_S:
+            passes = self.passes - self.logged[1]
+            log.info("%d passes in %.0f s: %.1f rows and %.1f tokens per pass, %.1f ms each, busy %.0f%%, "
+                     "%d sessions hold %d of %d KV blocks, %d waiting", passes, now - self.logged[0],
+                     (self.rows - self.logged[2]) / passes, (self.tokens - self.logged[3]) / passes,
+                     (self.busy_s - self.logged[4]) * 1e3 / passes, 100 * (self.busy_s - self.logged[4]) /
+                     (now - self.logged[0]), len(self.holders), self.pool.capacity - len(self.pool.free),
+                     self.pool.capacity, sum(not w.seq.admitted for w in self.queue))
+            self.logged = (now, self.passes, self.rows, self.tokens, self.busy_s)
         kept = 0
         for row in batch:
             work, seq = row.work, row.work.seq

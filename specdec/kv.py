@@ -96,10 +96,11 @@ class PagedSequence(TokenSequence):
         self.engine.crop(self, kept)
         return kept
 
-    async def logits(self, last: int):
+    async def logits(self, last: int, again: bool = True):
         """Computes what is not cached; -> (logits after each of the last `last` tokens
-        [last, vocab], the engine's Pass that finished them)."""
-        return await self.engine.forward(self, last)
+        [last, vocab], the engine's Pass that finished them). `again`: more calls follow
+        soon (the engine may wait a moment for them to batch)."""
+        return await self.engine.forward(self, last, again)
 
     def slots(self, end: int, device) -> torch.Tensor:
         """Pool slots of positions [0, end). -> [end]"""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts, expected_tokens
+from orchestrator.kpolicy import AdaptiveK, FixedK, Pass, RoundCosts, expected_tokens
 
 
 def feed(policy: AdaptiveK, alpha_accepts, draft_per_token: float, verify_base: float, verify_per_token: float,
@@ -62,3 +62,44 @@ def test_alpha_estimate_follows_the_request():
         policy.observe(4, 2, 0.01, 0.1)  # two accepted, then a rejection: alpha = 2/3
     assert policy.alpha == pytest.approx(2 / 3, abs=0.02)
     assert costs.alpha == pytest.approx(2 / 3, abs=0.05)
+
+
+def chosen_under_load(rows: int, rounds: int = 300) -> int:
+    """Median K of the last rounds when every verifier pass runs `rows` sessions drafting
+    alike: a pass costs 50 ms + 2 ms per token (a GPU-like curve), a draft 2 ms per token,
+    alpha ~0.8."""
+    policy = AdaptiveK(RoundCosts(), k_max=8, k_start=4, seed=0)
+    chosen = []
+    for r in range(rounds):
+        k = policy.choose()
+        accepted = 0
+        while accepted < k and (r * 7 + accepted) % 5 != 0:
+            accepted += 1
+        tokens = rows * (k + 1)
+        seconds = 0.05 + 0.002 * tokens
+        policy.observe(k, accepted, 0.002 * k if k else None, seconds + 0.005, Pass(rows, tokens, seconds))
+        chosen.append(k)
+    return sorted(chosen[-100:])[50]
+
+
+def test_k_falls_smoothly_to_zero_as_the_verifier_fills():
+    ks = [chosen_under_load(rows) for rows in (1, 4, 16, 64)]
+    assert ks == sorted(ks, reverse=True), ks  # more sessions per pass: never a larger K
+    assert ks[0] >= 4 and ks[-1] == 0, ks
+    assert len(set(ks)) >= 3, ks  # through intermediate Ks, not one cliff
+
+
+@pytest.mark.parametrize("min_gain", [0.0, 0.1])
+def test_a_near_tie_keeps_the_target_alone(min_gain):
+    """K = 1 promises ~7% more than K = 0 here: without a margin it is taken, with the
+    default margin the target alone is kept (probes aside)."""
+    policy = AdaptiveK(RoundCosts(), k_max=4, k_start=2, seed=0, min_gain=min_gain)
+    for r in range(400):
+        k = policy.choose()
+        accepted = min(k, 1) if r % 4 == 0 else 0  # alpha ~0.25
+        policy.observe(k, accepted, 0.002 * k if k else None, 0.1 + 0.015 * k)
+    tail = [policy.choose() for _ in range(64)]
+    if min_gain:
+        assert tail.count(0) >= 56, tail
+    else:
+        assert tail.count(1) >= 56, tail
