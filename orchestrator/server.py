@@ -182,7 +182,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 log.debug("[%s] costs: %s", req.id, self.costs.describe())
         except grpc.aio.AioRpcError as err:
             log.error("[%s] verifier failed: %s %s", req.id, err.code().name, err.details())
-            code = err.code() if err.code() == grpc.StatusCode.INVALID_ARGUMENT else grpc.StatusCode.UNAVAILABLE
+            # Bad input and a full verifier keep their codes: the client should not retry the
+            # first, and should back off on the second.
+            passed_on = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            code = err.code() if err.code() in passed_on else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"verifier: {err.details()}")
         finally:
             self.in_flight.discard(req.id)

@@ -167,7 +167,7 @@ class Engine:
                 raise Overloaded(f"the session holds {len(seq.tokens)} tokens; the KV pool holds "
                                  f"{self.pool.capacity * self.pool.block_size}")
             if not seq.admitted:
-                waiting = sum(not w.seq.admitted for w in self.queue)
+                waiting = self._waiting()
                 if not (waiting == 0 and self._admit(seq)) and waiting >= self.max_waiting:
                     raise Overloaded(f"{waiting} sessions are waiting for KV memory")
             seq.cached = min(seq.cached, len(seq.tokens) - last)  # logits come from computing those positions
@@ -315,6 +315,11 @@ class Engine:
             seq.blocks.extend(pool.allocate(need))
         return True
 
+    def _waiting(self) -> int:
+        """Work of sessions waiting for KV memory (a pass's own rows are not waiting,
+        even when their session was closed during it)."""
+        return sum(not w.seq.admitted and not w.in_pass for w in self.queue)
+
     def _admit(self, seq: PagedSequence) -> bool:
         need = self.pool.blocks_for(len(seq.tokens))
         if need > len(self.pool.free):
@@ -376,7 +381,7 @@ class Engine:
                      (self.rows - self.logged[2]) / passes, (self.tokens - self.logged[3]) / passes,
                      (self.busy_s - self.logged[4]) * 1e3 / passes, 100 * (self.busy_s - self.logged[4]) /
                      (now - self.logged[0]), len(self.holders), self.pool.capacity - len(self.pool.free),
-                     self.pool.capacity, sum(not w.seq.admitted for w in self.queue))
+                     self.pool.capacity, self._waiting())
             self.logged = (now, self.passes, self.rows, self.tokens, self.busy_s)
         kept = 0
         for row in batch:

@@ -4,6 +4,7 @@ preemption, cancels, failed passes, and every block given back."""
 
 import asyncio
 import copy
+import threading
 
 import pytest
 import torch
@@ -224,3 +225,33 @@ def test_every_block_comes_back(models):
     for seq in seqs[1:]:
         eng.release(seq)
     assert len(eng.pool.free) == eng.pool.capacity and not eng.holders and not eng.queue
+
+
+def test_sessions_closed_during_a_pass_do_not_fill_the_waiting_queue(models, monkeypatch):
+    """A client cancel releases a session whose row is in the running pass; new sessions
+    arriving meanwhile are admitted (memory is free), not refused as if it were full."""
+    eng = engine(models, max_waiting=1)
+    entered, gate = threading.Event(), threading.Event()
+    real = eng._run
+
+    def slow(batch):
+        entered.set()
+        gate.wait(10)
+        return real(batch)
+
+    monkeypatch.setattr(eng, "_run", slow)
+    closing = eng.new_sequence()
+    closing.sync(0, tokens(10, 1))
+    work = eng.submit(closing, 1)
+    assert entered.wait(10)
+    eng.release(closing)
+    others = []
+    for i in range(3):
+        seq = eng.new_sequence()
+        seq.sync(0, tokens(10, 10 + i))
+        others.append(eng.submit(seq, 1))
+    gate.set()
+    with pytest.raises(NeedsResync):
+        work.future.result(10)
+    for other in others:
+        other.future.result(10)
