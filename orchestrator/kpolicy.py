@@ -169,7 +169,9 @@ class AdaptiveK:
         best = max(known, key=known.get) if known else self.k_start
         if best > 0 and 0 in known and known[best] < (1 + self.min_gain) * known[0]:
             best = 0
-        if self.rounds % self.probe_every == 0:
+        # Probes cost every session of a pass (a late row holds the pass back); the costs are
+        # shared, so with R rows per pass one probe in R rounds per session keeps them current.
+        if self.rounds % (self.probe_every * max(1, round(self.costs.rows))) == 0:
             neighbour = best + self.rng.choice((-1, 1)) if best > 0 else 1
             return min(self.k_max, neighbour)
         return best
