@@ -47,15 +47,24 @@ class Pass:
 
 
 @dataclass
+class Group:
+    """Rows that attend together, padded to the group's widest row (Q new tokens) and
+    longest history (L positions). A long prefill chunk is a group of its own, so the
+    rounds beside it are not padded to its size."""
+    read_slots: torch.Tensor  # [b, L] slots each row reads; padding reads slot 0 (zeros)
+    q_index: torch.Tensor     # [b, Q] packed index of each row's j-th new token (padding: 0)
+    mask: torch.Tensor        # [b, 1, Q, L] query may attend key
+    packed: torch.Tensor      # [t] packed indices of the group's new tokens
+    flat: torch.Tensor        # [t] where each of them sits in the group's [b * Q] output
+
+
+@dataclass
 class Plan:
-    """Where a pass reads and writes keys and values. B rows, T packed tokens; row b has
-    n_b new tokens at positions [start_b, end_b) and reads positions [0, end_b)."""
+    """Where a pass reads and writes keys and values: T packed new tokens, each row's at
+    positions [start, end) of its session, reading positions [0, end)."""
     pool: KVPool
     write_slots: torch.Tensor  # [T] pool slot of each new token
-    read_slots: torch.Tensor   # [B, L] slots each row reads; padding reads slot 0 (zeros)
-    q_index: torch.Tensor      # [B, Q] packed index of each row's j-th new token (padding: 0)
-    mask: torch.Tensor         # [B, 1, Q, L] query may attend key
-    out_index: torch.Tensor    # [T] where each packed token's output sits in [B * Q]
+    groups: list[Group]
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, specdec_plan=None,
@@ -69,13 +78,16 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_pool, v_pool = plan.pool.k[layer], plan.pool.v[layer]
     k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
-    k = k_pool[plan.read_slots].transpose(1, 2)  # [B, kv_heads, L, d]
-    v = v_pool[plan.read_slots].transpose(1, 2)
-    q = query[0].transpose(0, 1)[plan.q_index].transpose(1, 2)  # [B, heads, Q, d]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.mask, scale=scaling, enable_gqa=True)
-    b, heads, width, d = out.shape
-    out = out.transpose(1, 2).reshape(b * width, heads, d)[plan.out_index]  # [T, heads, d]
+    queries = query[0].transpose(0, 1)  # [T, heads, d]
+    out = torch.empty_like(queries)
+    for g in plan.groups:
+        k = k_pool[g.read_slots].transpose(1, 2).to(queries.dtype)  # [b, kv_heads, L, d]
+        v = v_pool[g.read_slots].transpose(1, 2).to(queries.dtype)
+        q = queries[g.q_index].transpose(1, 2)  # [b, heads, Q, d]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling,
+                                                             enable_gqa=True)
+        b, heads, width, d = o.shape
+        out.index_copy_(0, g.packed, o.transpose(1, 2).reshape(b * width, heads, d)[g.flat])
     return out.unsqueeze(0), None
 
 
@@ -337,35 +349,43 @@ class Engine:
     def _run(self, batch: list[Row]) -> torch.Tensor:
         """One forward over every row's next tokens; -> logits of the wanted positions."""
         device = self.device
-        ids, positions, writes, reads, q_index, q_pos, keep = [], [], [], [], [], [], []
-        width = max(row.n for row in batch)
+        ids, positions, writes, keep, offsets = [], [], [], [], []
         for row in batch:
-            seq, offset, start, n = row.work.seq, len(ids), row.start, row.n
-            end = start + n
+            seq, start, end = row.work.seq, row.start, row.start + row.n
+            offsets.append(len(ids))
+            keep += range(len(ids) + row.n - row.wanted, len(ids) + row.n)
             ids += seq.tokens[start:end]
             positions += range(start, end)
-            slots = seq.slots(end, device)
-            writes.append(slots[start:])
-            reads.append(slots)
-            q_index.append(list(range(offset, offset + n)) + [0] * (width - n))
-            q_pos.append(list(range(start, end)) + [0] * (width - n))  # padding attends slot 0 only
-            keep += range(offset + n - row.wanted, offset + n)
-        rows = len(batch)
-        length = max(len(r) for r in reads)
-        read_slots = torch.zeros(rows, length, dtype=torch.long, device=device)
-        for b, slots in enumerate(reads):
-            read_slots[b, :len(slots)] = slots
-        q_pos_t = torch.tensor(q_pos, device=device)
-        mask = torch.arange(length, device=device)[None, None, :] <= q_pos_t[:, :, None]
-        out_index = torch.tensor([b * width + j for b, row in enumerate(batch) for j in range(row.n)], device=device)
-        plan = Plan(self.pool, torch.cat(writes), read_slots, torch.tensor(q_index, device=device),
-                    mask.unsqueeze(1), out_index)
+            writes.append(seq.slots(end, device)[start:])
+        placed = list(zip(batch, offsets))
+        short = [p for p in placed if p[0].n <= self.short]
+        groups = [self._group(g) for g in ([short] if short else []) + [[p] for p in placed if p[0].n > self.short]]
+        plan = Plan(self.pool, torch.cat(writes), groups)
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([ids], device=device),
                              position_ids=torch.tensor([positions], device=device),
                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                              use_cache=False, specdec_plan=plan)
         return out.logits[0].float()
+
+    def _group(self, placed: list[tuple[Row, int]]) -> Group:
+        """The attention layout of rows (each with its offset in the packed tokens)."""
+        device = self.device
+        width = max(row.n for row, _ in placed)
+        length = max(row.start + row.n for row, _ in placed)
+        read_slots = torch.zeros(len(placed), length, dtype=torch.long, device=device)
+        q_index, q_pos, packed, flat = [], [], [], []
+        for b, (row, offset) in enumerate(placed):
+            end = row.start + row.n
+            read_slots[b, :end] = row.work.seq.slots(end, device)
+            pad = width - row.n
+            q_index.append(list(range(offset, offset + row.n)) + [0] * pad)
+            q_pos.append(list(range(row.start, end)) + [0] * pad)  # padding attends slot 0 only
+            packed += range(offset, offset + row.n)
+            flat += range(b * width, b * width + row.n)
+        mask = torch.arange(length, device=device)[None, None, :] <= torch.tensor(q_pos, device=device)[:, :, None]
+        return Group(read_slots, torch.tensor(q_index, device=device), mask.unsqueeze(1),
+                     torch.tensor(packed, device=device), torch.tensor(flat, device=device))
 
     def _commit(self, batch: list[Row], logits: torch.Tensor | None, error: Exception | None, done: Pass) -> None:
         self.passes += 1
