@@ -66,12 +66,25 @@ class RaySource:
         if not ray.is_initialized():
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         self.controller = ray.get_actor(controller, namespace=namespace)
+        self.asks = ray.get(self.controller.cpus.remote())
 
     async def addresses(self) -> list[str]:
         return sorted(await self.controller.drafter_addresses.remote())
 
     async def scale(self, replicas: int) -> int:
         return await self.controller.scale.remote(replicas)
+
+    def resources(self) -> str:
+        """What each drafter asks for and what the cluster has free, in words."""
+        import ray
+
+        free, asks = ray.available_resources(), self.asks
+        return (f"each asks for {asks:g} CPU; {free.get('CPU', 0.0):g} of "
+                f"{ray.cluster_resources().get('CPU', 0.0):g} CPUs are free")
+
+    async def placement(self, wait_s: float) -> tuple[int, int]:
+        """(placed, pending) replicas; see DrafterController.placement."""
+        return tuple(await self.controller.placement.remote(wait_s))
 
 
 async def follow(source, pool: DrafterPool, interval_s: float) -> None:

@@ -28,6 +28,7 @@ from orchestrator.text import TextStream
 log = logging.getLogger("orchestrator")
 
 MAX_STOP_STRINGS = 16
+PLACEMENT_WAIT_S = 20.0  # how long ScaleDrafters waits to tell placed replicas from pending ones
 MAX_REQUEST_ID = 128
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -238,7 +239,14 @@ class AdminServicer(orchestrator_pb2_grpc.OrchestratorAdminServiceServicer):
         if request.replicas < 0:
             await abort(context, InvalidArgument("replicas", f"must be >= 0, got {request.replicas}"))
         log.info("scaling drafters to %d (admin request)", request.replicas)
-        return pb.ScaleDraftersResponse(replicas=await self.source.scale(request.replicas))
+        replicas = await self.source.scale(request.replicas)
+        placed, pending = await self.source.placement(PLACEMENT_WAIT_S)
+        detail = ""
+        if pending:
+            detail = (f"{pending} of {replicas} drafter replicas are not placed after {PLACEMENT_WAIT_S:.0f} s: "
+                      f"the cluster has no room for them now ({self.source.resources()})")
+            log.warning("%s", detail)
+        return pb.ScaleDraftersResponse(replicas=replicas, pending=pending, detail=detail)
 
     async def ListDrafters(self, request, context):
         if self.pool is None:

@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import json
 import logging
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field

@@ -71,11 +71,23 @@ def ray_command(args) -> int:
         if args.autoscale:
             autoscale = {"min": args.autoscale_min_replicas, "max": args.autoscale_max_replicas,
                          "target_sessions": args.autoscale_target_sessions, "cooldown_s": args.autoscale_cooldown}
+        import ray
+
         started = time.monotonic()
-        deployment = launcher.up(args.target, args.draft, args.num_drafters, port=args.port, address=args.address,
-                                 verifier_gpus=args.verifier_gpus, drafter_cpus=args.drafter_cpus,
-                                 autoscale=autoscale)
-        print(f"specdec is up on Ray in {time.monotonic() - started:.1f} s: Generate at {deployment.address}",
+        batching = ["--max-batch-rows", str(args.max_batch_rows)]
+        try:
+            deployment = launcher.up(
+                args.target, args.draft, args.num_drafters, port=args.port, address=args.address,
+                verifier_gpus=args.verifier_gpus, verifier_cpus=args.verifier_cpus, drafter_cpus=args.drafter_cpus,
+                orchestrator_cpus=args.orchestrator_cpus, dtype=args.dtype, device=args.device,
+                verifier_flags=[*batching, "--kv-cache-bytes", str(args.kv_cache_bytes)], drafter_flags=batching,
+                orchestrator_flags=["--overlap" if args.overlap else "--no-overlap"], autoscale=autoscale,
+                startup_timeout_s=args.startup_timeout)
+        except (launcher.PlacementError, TimeoutError) as err:
+            print(f"specdec ray up: {err}", file=sys.stderr, flush=True)
+            ray.shutdown()
+            return 2
+        print(f"specdec is up: Generate at {deployment.address} (on Ray, in {time.monotonic() - started:.1f} s)",
               flush=True)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -84,14 +96,20 @@ def ray_command(args) -> int:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
+        print("specdec ray up: stopping", file=sys.stderr, flush=True)
         deployment.down()
+        ray.shutdown()  # a local Ray goes with it; on a cluster this only disconnects
         return 0
     with grpc.insecure_channel(args.orchestrator) as channel:
         admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel)
         try:
             if args.ray_command == "scale-drafters":
-                replicas = admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=args.replicas), timeout=60).replicas
-                print(f"drafter replicas: {replicas}")
+                reply = admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=args.replicas), timeout=120)
+                print(f"drafter replicas: {reply.replicas} ({reply.replicas - reply.pending} placed, "
+                      f"{reply.pending} pending)")
+                if reply.pending:
+                    print(f"specdec ray: {reply.detail}", file=sys.stderr)
+                    return 3
             else:
                 listing = admin.ListDrafters(pb.ListDraftersRequest(), timeout=10)
                 print(f"{len(listing.replicas)} drafter replicas ({listing.source})")
@@ -105,6 +123,21 @@ def ray_command(args) -> int:
     return 0
 
 
+def add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """What `specdec up` and `specdec ray up` both take."""
+    flags.add(p, "--dtype", env="SPECDEC_DTYPE", default="float32", help="weights dtype of both models")
+    flags.add(p, "--device", env="SPECDEC_DEVICE", default=None,
+              help="torch device of the verifier (default: cpu; under Ray, cuda when it got a GPU)")
+    flags.add(p, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
+              help="the orchestrator drafts each round's successor while the round is verified")
+    flags.add(p, "--kv-cache-bytes", env="SPECDEC_KV_CACHE_BYTES", type=flags.byte_size, default="1GiB",
+              help="the verifier's KV pool, shared by all sessions")
+    flags.add(p, "--max-batch-rows", env="SPECDEC_MAX_BATCH_ROWS", type=int, default=64,
+              help="sessions one forward pass of the verifier or a drafter may run (1: no batching)")
+    flags.add(p, "--startup-timeout", env="SPECDEC_STARTUP_TIMEOUT", type=float, default=600.0,
+              help="seconds to wait for every service to serve")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,16 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
               help='draft model (directory, hub id or .gguf), or "ngram" for prompt lookup')
     flags.add(p, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
     flags.add(p, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
-    flags.add(p, "--dtype", env="SPECDEC_DTYPE", default="float32", help="weights dtype of both models")
-    flags.add(p, "--device", env="SPECDEC_DEVICE", default="cpu", help="torch device of both models")
-    flags.add(p, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
-              help="the orchestrator drafts each round's successor while the round is verified")
-    flags.add(p, "--kv-cache-bytes", env="SPECDEC_KV_CACHE_BYTES", type=flags.byte_size, default="1GiB",
-              help="the verifier's KV pool, shared by all sessions")
-    flags.add(p, "--max-batch-rows", env="SPECDEC_MAX_BATCH_ROWS", type=int, default=64,
-              help="sessions one forward pass of the verifier or a drafter may run (1: no batching)")
-    flags.add(p, "--startup-timeout", env="SPECDEC_STARTUP_TIMEOUT", type=float, default=600.0,
-              help="seconds to wait for every service to serve")
+    add_deployment_flags(p)
 
     g = sub.add_parser("generate", help="stream a completion from a running orchestrator")
     g.add_argument("prompt")
@@ -150,8 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(ru, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
     flags.add(ru, "--verifier-gpus", env="SPECDEC_VERIFIER_GPUS", default="auto",
               help='GPUs for the verifier actor; "auto": 1 when the cluster has a GPU')
-    flags.add(ru, "--drafter-cpus", env="SPECDEC_DRAFTER_CPUS", type=float, default=1.0,
-              help="CPUs each drafter actor asks for")
+    flags.add(ru, "--verifier-cpus", env="SPECDEC_VERIFIER_CPUS", type=float, default=None,
+              help="CPUs the verifier actor asks for (unset: 1 on a cluster, half the machine's on a local Ray, "
+                   "at most 1)")
+    flags.add(ru, "--drafter-cpus", env="SPECDEC_DRAFTER_CPUS", type=float, default=None,
+              help="CPUs each drafter actor asks for (unset: 1 on a cluster, 0.25 on a local Ray)")
+    flags.add(ru, "--orchestrator-cpus", env="SPECDEC_ORCHESTRATOR_CPUS", type=float, default=None,
+              help="CPUs the orchestrator actor asks for (unset: 1 on a cluster, 0.25 on a local Ray)")
+    add_deployment_flags(ru)
     flags.add(ru, "--autoscale", env="SPECDEC_AUTOSCALE", type=bool, default=False,
               help="size the drafter pool from the load")
     flags.add(ru, "--autoscale-min-replicas", env="SPECDEC_AUTOSCALE_MIN_REPLICAS", type=int, default=1,

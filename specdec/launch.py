@@ -105,8 +105,9 @@ def stop(services: list[Service], grace_s: float = 10.0) -> None:
 
 def up(args) -> int:
     batching = ["--max-batch-rows", str(args.max_batch_rows)]
-    services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device, args.overlap,
-                    verifier_flags=[*batching, "--kv-cache-bytes", str(args.kv_cache_bytes)], drafter_flags=batching)
+    services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device or "cpu",
+                    args.overlap, verifier_flags=[*batching, "--kv-cache-bytes", str(args.kv_cache_bytes)],
+                    drafter_flags=batching)
     stopping = False
 
     def on_signal(signum, frame):

@@ -10,7 +10,6 @@ import math
 import torch
 
 from specdec import flags, modeling, sampling, server
-from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids

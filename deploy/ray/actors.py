@@ -67,6 +67,7 @@ class DrafterController:
         self.name = name
         self.drafter_argv, self.num_cpus, self.num_gpus, self.drain_s = drafter_argv, num_cpus, num_gpus, drain_s
         self.replicas: list = []
+        self.started_refs: dict = {}  # replica -> its first call, done once Ray has placed and started it
         self.started = 0
         self.retiring: set[asyncio.Task] = set()
 
@@ -78,12 +79,37 @@ class DrafterController:
                 max_restarts=-1, max_task_retries=-1,
             ).remote("drafter", self.drafter_argv)
             self.replicas.append(actor)
+            self.started_refs[actor] = actor.address.remote()
         while len(self.replicas) > replicas:
-            task = asyncio.ensure_future(self._retire(self.replicas.pop()))
+            actor = self.replicas.pop()
+            self.started_refs.pop(actor, None)
+            task = asyncio.ensure_future(self._retire(actor))
             self.retiring.add(task)
             task.add_done_callback(self.retiring.discard)
         log.info("drafter replicas: %d", len(self.replicas))
         return len(self.replicas)
+
+    async def cpus(self) -> float:
+        """CPUs each replica asks for."""
+        return self.num_cpus
+
+    async def placement(self, wait_s: float) -> tuple[int, int]:
+        """(placed, pending): replicas whose actor Ray has started, and those still waiting
+        for resources the cluster does not have after `wait_s` seconds."""
+        refs = [self.started_refs[r] for r in self.replicas if r in self.started_refs]
+        if not refs:
+            return len(self.replicas), 0
+        done, waiting = await asyncio.wait([asyncio.ensure_future(self._started(r)) for r in refs], timeout=wait_s)
+        for task in waiting:
+            task.cancel()
+        return len(self.replicas) - len(waiting), len(waiting)
+
+    @staticmethod
+    async def _started(ref) -> None:
+        try:
+            await ref
+        except Exception:
+            pass  # a replica that failed to start is not pending
 
     async def _retire(self, actor) -> None:
         # Out of the set at once; stopped once the orchestrator has moved its sessions.

@@ -15,6 +15,37 @@ from specdec.launch import free_port
 log = logging.getLogger("specdec.ray")
 
 
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the deployment as asked."""
+
+
+def local_cpus(total: float) -> dict[str, float]:
+    """CPU requests on a local Ray: the deployment shares this machine's cores (the
+    drafters and the orchestrator are light beside the verifier), so that the default
+    deployment with up to three drafters fits on 2 cores. On a cluster each asks for 1."""
+    return {"verifier": min(1.0, total / 2), "drafter": min(0.25, total / 8), "orchestrator": min(0.25, total / 8)}
+
+
+def check_placement(actors: list[tuple[str, dict[str, float]]]) -> None:
+    """Fails at once, naming the actor and what it asks for, when the cluster's free
+    resources cannot hold the actors in order (rather than leaving one pending forever)."""
+    free = ray.available_resources()
+    total = ray.cluster_resources()
+    placed: list[str] = []
+    for name, asks in actors:
+        for resource, amount in asks.items():
+            if amount <= 0:
+                continue
+            if free.get(resource, 0.0) + 1e-9 < amount:
+                raise PlacementError(
+                    f"cannot place the {name}: it asks for {amount:g} {resource}; the cluster has "
+                    f"{total.get(resource, 0.0):g} {resource} in all and {max(0.0, free.get(resource, 0.0)):g} free"
+                    + (f" after {', '.join(placed)}" if placed else "")
+                    + " (ask for less: --verifier-cpus, --drafter-cpus, --orchestrator-cpus, --num-drafters)")
+            free[resource] = free.get(resource, 0.0) - amount
+        placed.append(name)
+
+
 @dataclass
 class RayDeployment:
     verifier: object
@@ -53,15 +84,18 @@ def wait_serving(actors: dict, timeout_s: float) -> None:
 
 def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, *, port: int = 50051,
        address: str | None = None, namespace: str = "specdec", verifier_gpus: str | float = "auto",
-       verifier_cpus: float = 1, drafter_cpus: float = 1, orchestrator_cpus: float = 1,
-       dtype: str = "float32", refresh_s: float = 0.5, drain_s: float = 3.0,
-       autoscale: dict | None = None, name: str = "specdec",
+       verifier_cpus: float | None = None, drafter_cpus: float | None = None,
+       orchestrator_cpus: float | None = None, dtype: str = "float32", device: str | None = None,
+       verifier_flags: list[str] = (), drafter_flags: list[str] = (), orchestrator_flags: list[str] = (),
+       refresh_s: float = 0.5, drain_s: float = 3.0, autoscale: dict | None = None, name: str = "specdec",
        startup_timeout_s: float = 600) -> RayDeployment:
     """Starts the deployment and returns once every service is serving. Its actors are
     named `{name}-verifier`, `{name}-drafter-controller`, `{name}-drafter-<i>`,
     `{name}-orchestrator`; on a cluster the orchestrator runs on the head node (where
     a Kubernetes Service can reach it).
 
+    CPU requests left unset are `local_cpus` on a local Ray and 1 each on a cluster; a
+    deployment the cluster cannot hold raises PlacementError before any actor starts.
     autoscale: {"min": 1, "max": 4, "target_sessions": 4, "cooldown_s": 30} turns the
     orchestrator's drafter autoscaler on."""
     if not ray.is_initialized():
@@ -74,24 +108,32 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
     if verifier_gpus == "auto":
         verifier_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     verifier_gpus = float(verifier_gpus)
-    device = "cuda" if verifier_gpus else "cpu"
+    device = device or ("cuda" if verifier_gpus else "cpu")
+    sized = local_cpus(ray.cluster_resources().get("CPU", 1.0)) if not on_cluster else {}
+    verifier_cpus = sized.get("verifier", 1.0) if verifier_cpus is None else verifier_cpus
+    drafter_cpus = sized.get("drafter", 1.0) if drafter_cpus is None else drafter_cpus
+    orchestrator_cpus = sized.get("orchestrator", 1.0) if orchestrator_cpus is None else orchestrator_cpus
+    check_placement([("verifier actor", {"CPU": verifier_cpus, "GPU": verifier_gpus}),
+                     *[(f"drafter actor {i + 1}", {"CPU": drafter_cpus}) for i in range(num_drafters)],
+                     ("orchestrator actor", {"CPU": orchestrator_cpus})])
 
     # The verifier keeps its port across a restart: the orchestrator holds its address.
     verifier_port = 50053 if on_cluster else free_port()
     verifier = ray.remote(ServiceActor).options(
         name=f"{name}-verifier", num_cpus=verifier_cpus, num_gpus=verifier_gpus, max_restarts=3,
     ).remote("verifier", ["--host", host, "--port", str(verifier_port), "--model", target, "--dtype", dtype,
-                          "--device", device])
-    proposer = ["--proposer", "ngram"] if draft == "ngram" else ["--proposer", "model", "--model", draft]
+                          "--device", device, *verifier_flags])
+    proposer = ["--proposer", "ngram"] if draft == "ngram" else [
+        "--proposer", "model", "--model", draft, "--dtype", dtype, "--device", "cpu"]  # drafter actors ask for CPUs
     controller_name = f"{name}-drafter-controller"
     controller = ray.remote(DrafterController).options(name=controller_name, num_cpus=0, max_restarts=3).remote(
-        name, ["--host", host, "--port", "0", *proposer], drafter_cpus, 0, drain_s)
+        name, ["--host", host, "--port", "0", *proposer, *drafter_flags], drafter_cpus, 0, drain_s)
     ray.get(controller.scale.remote(num_drafters))
 
     verifier_address = ray.get(verifier.address.remote())
     argv = ["--host", host, "--port", str(port), "--verifier", verifier_address, "--tokenizer", target,
             "--drafter-ray", controller_name, "--ray-namespace", namespace,
-            "--drafter-refresh-interval", str(refresh_s)]
+            "--drafter-refresh-interval", str(refresh_s), *orchestrator_flags]
     if autoscale:
         argv += ["--autoscale", "--autoscale-min-replicas", str(autoscale.get("min", 1)),
                  "--autoscale-max-replicas", str(autoscale.get("max", 4)),

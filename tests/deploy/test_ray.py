@@ -146,7 +146,9 @@ def test_autoscaler_grows_and_shrinks_the_pool(deployment, tiny_pair, expected):
 
         def client():
             while not stop.is_set():
-                _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60)
+                # A fixed K: every request drafts (K chosen per round may go to K = 0 under load,
+                # and a request that does not draft holds no drafter session).
+                _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60, num_speculative_tokens=4)
                 outcomes.append(list(result.token_ids) == want)
 
         threads = [threading.Thread(target=client) for _ in range(3)]

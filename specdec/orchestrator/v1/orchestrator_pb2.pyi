@@ -139,10 +139,14 @@ class ScaleDraftersRequest(_message.Message):
     def __init__(self, replicas: _Optional[int] = ...) -> None: ...
 
 class ScaleDraftersResponse(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "pending", "detail")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     replicas: int
-    def __init__(self, replicas: _Optional[int] = ...) -> None: ...
+    pending: int
+    detail: str
+    def __init__(self, replicas: _Optional[int] = ..., pending: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ListDraftersRequest(_message.Message):
     __slots__ = ()

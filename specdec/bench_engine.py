@@ -1,0 +1,151 @@
+"""The batching engine on its own: `python -m specdec.bench_engine`.
+
+1. What a batched pass of the target costs: R rows x n tokens against one row x one
+   token, each row with a ~120-token cache (same process, median of 7 passes each).
+2. Batch invariance: each of 8 rows run alone and together; how far their logits move
+   and whether any argmax flips.
+3. With --stall: a 4000-token prompt arriving while 4 streams run through `specdec up`,
+   with chunked prefill (256-token passes) and in one pass: how long the running
+   streams stall."""
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from specdec import launch, modeling
+from specdec.engine import Engine
+
+
+def pass_costs(eng: Engine, seqs, shapes) -> list[str]:
+    def timed(rows: int, n: int, reps: int = 7) -> float:
+        out = []
+        for _ in range(reps):
+            for seq in seqs[:rows]:
+                seq.extend([100 + j for j in range(n)])
+            with eng.cond:  # all rows ready together: one pass
+                works = [eng.submit(seq, n) for seq in seqs[:rows]]
+            results = [w.future.result() for w in works]
+            assert all(done.rows == rows for _, done in results)
+            out.append(results[0][1].seconds)
+            for seq in seqs[:rows]:
+                seq.sync(120, [])
+        return statistics.median(out)
+
+    base = timed(1, 1)
+    lines = [f"1 row x 1 token: {base * 1e3:.1f} ms"]
+    for rows, n in shapes:
+        t = timed(rows, n)
+        lines.append(f"{rows} rows x {n} tokens: {t * 1e3:.1f} ms = {t / base:.2f}x one token; "
+                     f"tokens per unit time {rows * n * base / t:.2f}x")
+    return lines
+
+
+def invariance(eng: Engine, seqs, trials: int = 5) -> str:
+    differ = flips = 0
+    worst = 0.0
+    for trial in range(trials):
+        drafts = [200 + trial, 300, 400]
+        alone = []
+        for seq in seqs:
+            seq.extend(drafts)
+            alone.append(eng.forward_now(seq, 4)[0])
+            seq.sync(120, [])
+        for seq in seqs:
+            seq.extend(drafts)
+        with eng.cond:
+            works = [eng.submit(seq, 4) for seq in seqs]
+        for a, work in zip(alone, works):
+            b = work.future.result()[0]
+            worst = max(worst, (a - b).abs().max().item())
+            differ += int(not torch.equal(a, b))
+            flips += int((a.argmax(-1) != b.argmax(-1)).sum())
+        for seq in seqs:
+            seq.sync(120, [])
+    rows = trials * len(seqs)
+    return (f"batch invariance: {differ} of {rows} rows differ at all between alone and {len(seqs)}-row passes; "
+            f"max |logit difference| {worst:.2e}; argmax flips {flips} of {rows * 4} positions")
+
+
+async def _stream(stub, ids, n, gaps):
+    from specdec.orchestrator.v1 import orchestrator_pb2 as pb
+
+    last = None
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=n, num_speculative_tokens=0)
+    async for message in stub.Generate(request, timeout=900):
+        if message.HasField("chunk"):
+            now = time.perf_counter()
+            if last is not None and gaps is not None:
+                gaps.append((now, now - last))
+            last = now
+
+
+async def _stall(address: str, tokenizer) -> tuple[float, float, float]:
+    import grpc
+    from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+    long = (tokenizer("The history of the world is long and full of events. ")["input_ids"] * 400)[:4000]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        await _stream(stub, chat, 4, None)
+        gaps = []
+        running = [asyncio.ensure_future(_stream(stub, chat, 120, gaps)) for _ in range(4)]
+        await asyncio.sleep(3)
+        started = time.perf_counter()
+        await _stream(stub, long, 1, None)
+        answered = time.perf_counter()
+        await asyncio.gather(*running)
+    during = [g for t, g in gaps if started <= t <= answered + 1]
+    before = sorted(g for t, g in gaps if t < started)
+    return answered - started, max(during, default=float("nan")), before[len(before) // 2]
+
+
+def stall(target: str, draft: str) -> list[str]:
+    tokenizer = modeling.load_tokenizer(target)
+    lines = []
+    for label, tokens in (("chunked prefill (--max-batch-tokens 256)", "256"), ("one pass (--max-batch-tokens 8192)",
+                                                                                  "8192")):
+        services = launch.plan(target, draft, 1, launch.free_port(), verifier_flags=["--max-batch-tokens", tokens])
+        launch.start(services)
+        try:
+            launch.wait_serving(services, 900)
+            prefill, worst, median = asyncio.run(_stall(services[-1].address, tokenizer))
+        finally:
+            launch.stop(services)
+        lines.append(f"{label}: the 4000-token prompt answered in {prefill:.1f} s; the running streams' longest gap "
+                     f"meanwhile {worst:.2f} s (median gap before it arrived: {median * 1e3:.0f} ms)")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench_engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
+    parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT, help="for --stall")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--stall", action="store_true", help="also measure a long prefill beside running streams")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    model, _ = modeling.load_model(args.target, device=args.device)
+    eng = Engine(model, 1 << 30, max_batch_tokens=1024)
+    seqs = []
+    for i in range(8):
+        seq = eng.new_sequence()
+        seq.sync(0, [(7 * i + j) % 5000 + 100 for j in range(120)])
+        eng.forward_now(seq, 1)
+        seqs.append(seq)
+    for line in pass_costs(eng, seqs, [(1, 3), (1, 5), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]):
+        print(line, flush=True)
+    print(invariance(eng, seqs), flush=True)
+    eng.stop()
+    if args.stall:
+        for line in stall(args.target, args.draft):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
