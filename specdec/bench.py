@@ -212,7 +212,7 @@ def bound(alpha: float, k: int, c: float, v: float) -> float:
     return expected / (k * c + v)
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     values = sorted(values)
@@ -233,7 +233,7 @@ def summarize(runs: list[Run], reference: dict[int, list[int]], k: int, costs: d
             "tokens_per_s_median": statistics.median(rates),
             "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates),
             "ttft_s_median": statistics.median(r.arrivals[0] for r in mine if r.arrivals),
-            "itl_s_p50": _percentile(gaps, 50), "itl_s_p90": _percentile(gaps, 90), "itl_s_p99": _percentile(gaps, 99),
+            "itl_s_p50": percentile(gaps, 50), "itl_s_p90": percentile(gaps, 90), "itl_s_p99": percentile(gaps, 99),
             "same_tokens_as_target": all(r.tokens == reference[r.prompt] for r in mine),
         }
         rounds = sum(r.rounds for r in mine)

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from specdec import launch, modeling
+from specdec.bench import percentile
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 log = logging.getLogger("bench-load")
@@ -102,13 +103,6 @@ async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tok
         return requests
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
 def summarize(requests: list[Request], window_s: float, reference: dict[int, list[int]],
               alone: dict[int, list[int]]) -> dict:
     done = [r for r in requests if r.complete]
@@ -125,10 +119,10 @@ def summarize(requests: list[Request], window_s: float, reference: dict[int, lis
         "errors": errors, "window_s": window_s,
         "tokens": sum(sum(t <= window_s for t in r.arrivals) for r in seen),
         "tokens_per_s": sum(sum(t <= window_s for t in r.arrivals) for r in seen) / window_s,
-        "ttft_s_p50": _percentile([r.arrivals[0] - r.started for r in seen if r.arrivals], 50),
-        "ttft_s_p99": _percentile([r.arrivals[0] - r.started for r in seen if r.arrivals], 99),
-        "itl_s_p50": _percentile(gaps, 50), "itl_s_p99": _percentile(gaps, 99),
-        "latency_s_p99": _percentile([r.ended - r.started for r in done], 99),
+        "ttft_s_p50": percentile([r.arrivals[0] - r.started for r in seen if r.arrivals], 50),
+        "ttft_s_p99": percentile([r.arrivals[0] - r.started for r in seen if r.arrivals], 99),
+        "itl_s_p50": percentile(gaps, 50), "itl_s_p99": percentile(gaps, 99),
+        "latency_s_p99": percentile([r.ended - r.started for r in done], 99),
         "acceptance": sum(r.accepted_tokens for r in done) / drafted if drafted else None,
         "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
         "mean_batch_rows": sum(r.batch_rows * r.rounds for r in done) / rounds if rounds else 0.0,
@@ -286,8 +280,11 @@ def main_with(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report = run(args)
     print((args.out / "bench-load.md").read_text())
-    failed = sum(row["failed"] for by_variant in report["cells"].values() for row in by_variant.values())
-    return 1 if failed else 0
+    rows = [row for by_variant in report["cells"].values() for row in by_variant.values()]
+    if any(row["same_as_target"] != row["checked"] for row in rows):
+        print("some outputs differ from the target alone", file=sys.stderr)
+        return 1
+    return 1 if sum(row["failed"] for row in rows) else 0
 
 
 def main(argv=None) -> None:
