@@ -279,7 +279,7 @@ class Engine:
             self.cond.wait(deadline - time.monotonic())
 
     def _schedule(self) -> list[Row]:
-        """This pass's rows: (work, tokens to compute now). Short rows first, oldest
+        """This pass's rows (each a work and the tokens it computes now). Short rows first, oldest
         sessions first (they may take blocks from newer ones); then prefill chunks."""
         batch, in_pass = [], set()
         budget = self.max_batch_tokens
