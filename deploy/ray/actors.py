@@ -82,8 +82,9 @@ class DrafterController:
             self.started_refs[actor] = actor.address.remote()
         while len(self.replicas) > replicas:
             actor = self.replicas.pop()
-            self.started_refs.pop(actor, None)
-            task = asyncio.ensure_future(self._retire(actor))
+            ref = self.started_refs.pop(actor, None)
+            started = ref is None or bool(ray.wait([ref], timeout=0)[0])
+            task = asyncio.ensure_future(self._retire(actor) if started else self._kill(actor))
             self.retiring.add(task)
             task.add_done_callback(self.retiring.discard)
         log.info("drafter replicas: %d", len(self.replicas))
@@ -110,6 +111,10 @@ class DrafterController:
             await ref
         except Exception:
             pass  # a replica that failed to start is not pending
+
+    async def _kill(self, actor) -> None:
+        """A replica Ray never placed holds no session: it goes at once."""
+        ray.kill(actor, no_restart=True)
 
     async def _retire(self, actor) -> None:
         # Out of the set at once; stopped once the orchestrator has moved its sessions.

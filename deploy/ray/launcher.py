@@ -63,9 +63,11 @@ class RayDeployment:
         return ray.get(self.controller.replicas_now.remote())
 
     def down(self) -> None:
-        for replica in self.drafters():
-            ray.kill(replica, no_restart=True)
-        for actor in (self.orchestrator, self.controller, self.verifier):
+        try:
+            replicas = ray.get(self.controller.replicas_now.remote(), timeout=10)
+        except Exception:  # the controller is gone or stuck: its replicas go with it (they are its own)
+            replicas = []
+        for actor in (*replicas, self.orchestrator, self.controller, self.verifier):
             ray.kill(actor, no_restart=True)
 
 
