@@ -90,12 +90,12 @@ def ray_command(args) -> int:
         print(f"specdec is up: Generate at {deployment.address} (on Ray, in {time.monotonic() - started:.1f} s)",
               flush=True)
         stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-        try:
-            while not stop:
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
+        # Handlers of our own: a process started in the background inherits SIGINT ignored,
+        # and Python then raises no KeyboardInterrupt.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.append(1))
+        while not stop:
+            time.sleep(0.5)
         print("specdec ray up: stopping", file=sys.stderr, flush=True)
         deployment.down()
         ray.shutdown()  # a local Ray goes with it; on a cluster this only disconnects
