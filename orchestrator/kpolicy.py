@@ -17,6 +17,8 @@ is the unbatched rule. Costs belong to the deployment and are shared by all requ
 import random
 from dataclasses import dataclass, field
 
+from specdec.verifier.v1.verifier_pb2 import BatchPass  # a verifier pass as the verifier reports it
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens one round commits when each draft is accepted with probability alpha."""
@@ -60,14 +62,6 @@ class _Curve:
         return max(0.0, slope)
 
 
-@dataclass
-class Pass:
-    """A verifier forward pass as the verifier reports it (VerifyResponse.batch_pass)."""
-    rows: int
-    tokens: int
-    seconds: float
-
-
 class RoundCosts:
     """What rounds cost on this deployment, from every request's rounds: drafter calls
     by K; the verifier's batched pass by the tokens it computes, with the rows a pass
@@ -97,11 +91,11 @@ class RoundCosts:
         return None if seconds is None else seconds + self.overhead
 
     def observe(self, k: int, draft_s: float | None, verify_s: float, accepted: int, tested: int,
-                batch_pass: Pass | None = None) -> None:
+                batch_pass: BatchPass | None = None) -> None:
         if draft_s is not None and k > 0:
             self.draft.add(k, draft_s)
         if batch_pass is None or batch_pass.rows < 1:  # a verifier that does not say: the call is the pass
-            batch_pass = Pass(1, k + 1, verify_s)
+            batch_pass = BatchPass(rows=1, tokens=k + 1, seconds=verify_s)
         self.tried.add(k)
         self.batch_pass.add(batch_pass.tokens, batch_pass.seconds)
         self.rows = 0.9 * self.rows + 0.1 * batch_pass.rows
@@ -121,7 +115,7 @@ class FixedK:
         return self.k
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
-                batch_pass: Pass | None = None) -> None:
+                batch_pass: BatchPass | None = None) -> None:
         pass
 
 
@@ -177,7 +171,7 @@ class AdaptiveK:
         return best
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
-                batch_pass: Pass | None = None) -> None:
+                batch_pass: BatchPass | None = None) -> None:
         tested = accepted + (1 if accepted < k else 0) if k > 0 else 0
         self.accepted += accepted
         self.tested += tested

@@ -16,7 +16,7 @@ import grpc
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from orchestrator.kpolicy import AdaptiveK, FixedK, Pass
+from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.pool import DrafterPool, Replica
 
 log = logging.getLogger("orchestrator")
@@ -39,7 +39,7 @@ class Stats:
     pass_rows: int = 0  # rows of the verifier passes that ran the rounds, summed
     rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per number of drafts
 
-    def observe_pass(self, batch_pass: Pass | None) -> None:
+    def observe_pass(self, batch_pass: verifier_pb2.BatchPass | None) -> None:
         if batch_pass is not None:
             self.pass_rows += batch_pass.rows
 
@@ -65,7 +65,7 @@ class VerifierLink:
         self.synced = 0  # committed tokens the verifier is known to hold
 
     async def verify(self, history: list[int], drafts: list[int],
-                     qs: list[common_pb2.SparseDistribution]) -> tuple[int, int, Pass]:
+                     qs: list[common_pb2.SparseDistribution]) -> tuple[int, int, verifier_pb2.BatchPass]:
         """(accepted, the verifier's token, the batched pass that ran the round)"""
         attempt = 0
         while True:
@@ -86,8 +86,7 @@ class VerifierLink:
                     continue
                 raise
             self.synced = len(history)
-            batch = response.batch_pass
-            return response.num_accepted, response.next_token, Pass(batch.rows, batch.tokens, batch.seconds)
+            return response.num_accepted, response.next_token, response.batch_pass
 
     async def close(self) -> None:
         await self.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)

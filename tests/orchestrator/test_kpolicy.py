@@ -2,7 +2,8 @@
 
 import pytest
 
-from orchestrator.kpolicy import AdaptiveK, FixedK, Pass, RoundCosts, expected_tokens
+from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts, expected_tokens
+from specdec.verifier.v1.verifier_pb2 import BatchPass
 
 
 def feed(policy: AdaptiveK, alpha_accepts, draft_per_token: float, verify_base: float, verify_per_token: float,
@@ -77,7 +78,7 @@ def chosen_under_load(rows: int, rounds: int = 300, tail: list | None = None) ->
             accepted += 1
         tokens = rows * (k + 1)
         seconds = 0.05 + 0.002 * tokens
-        policy.observe(k, accepted, 0.002 * k if k else None, seconds + 0.005, Pass(rows, tokens, seconds))
+        policy.observe(k, accepted, 0.002 * k if k else None, seconds + 0.005, BatchPass(rows=rows, tokens=tokens, seconds=seconds))
         chosen.append(k)
     if tail is not None:
         tail.extend(chosen[-100:])
