@@ -66,9 +66,12 @@ class ModelProposer(Proposer):
                 token, q = int(self._token(logits.argmax())), None
             else:
                 p = sampling.probs(logits, params)
-                support = torch.topk(p, min(self.max_support, int((p > 0).sum())))
-                q_probs = support.values / support.values.sum()
-                support_ids = self._token(support.indices)
+                support = torch.topk(p, min(self.max_support, p.shape[-1]))
+                # One copy to the host per step; the draw is made there (Draws is host-side).
+                values, support_ids = support.values.cpu(), self._token(support.indices).cpu()
+                kept = values > 0
+                values, support_ids = values[kept], support_ids[kept]
+                q_probs = values / values.sum()
                 token = int(support_ids[draws.sample(q_probs, len(seq.tokens))])
                 q = common_pb2.SparseDistribution(token_ids=support_ids.tolist(), probs=q_probs.tolist())
             seq.extend([token])
@@ -103,3 +106,37 @@ class NgramProposer(Proposer):
         for token in self.lookup(seq.tokens, k):
             seq.extend([token])
             yield token, None
+
+
+class HybridProposer(Proposer):
+    """Prompt lookup when the context holds a long match, the model's draft otherwise,
+    chosen per round. Where the output copies its context (edit this text, fix this
+    code, extract these fields) a long match predicts a long run at no cost; elsewhere a
+    short match mostly predicts wrong, and the model drafts better (SuffixDecoding, Oliaro
+    et al. 2024, makes the same split with a suffix tree and match scores). A lookup round
+    sends one-hot q, a model round what the model sends: within a round all drafts come
+    from one source, and the verifier's rule holds for either."""
+
+    def __init__(self, model: ModelProposer, lookup: NgramProposer):
+        self.model, self.lookup = model, lookup
+
+    def info(self) -> common_pb2.ModelInfo:
+        info = self.model.info()
+        info.kind = "hybrid"
+        return info
+
+    def new_sequence(self) -> PagedSequence:
+        return self.model.new_sequence()
+
+    def release(self, seq: PagedSequence) -> None:
+        self.model.release(seq)
+
+    async def propose(self, seq: PagedSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
+        found = self.lookup.lookup(seq.tokens, k)
+        if found:
+            for token in found:  # the model's cache catches up with them at its next step
+                seq.extend([token])
+                yield token, None
+            return
+        async for draft in self.model.propose(seq, k, params):
+            yield draft

@@ -12,7 +12,7 @@ from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
-from drafter_service.proposers import ModelProposer, NgramProposer, Proposer
+from drafter_service.proposers import HybridProposer, ModelProposer, NgramProposer, Proposer
 
 log = logging.getLogger("drafter")
 
@@ -55,8 +55,10 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-drafter", description=__doc__)
     flags.add_server_flags(parser, "SPECDEC_DRAFTER", default_port=50052)
-    flags.add(parser, "--proposer", env="SPECDEC_DRAFTER_PROPOSER", default="model", choices=["model", "ngram"],
-              help="model: a small causal LM (--model); ngram: prompt lookup, no model")
+    flags.add(parser, "--proposer", env="SPECDEC_DRAFTER_PROPOSER", default="model",
+              choices=["model", "ngram", "hybrid"],
+              help="model: a small causal LM (--model); ngram: prompt lookup, no model; hybrid: prompt lookup "
+                   "when the context holds a match of --lookup-min-match tokens, the model otherwise")
     flags.add(parser, "--model", env="SPECDEC_DRAFTER_MODEL", default=modeling.DEFAULT_DRAFT,
               help="draft model: a directory, a hub id or a .gguf file (with --proposer model); the default is "
                    "the draft distilled from the default target")
@@ -67,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
               help="longest n-gram the prompt-lookup proposer matches")
     flags.add(parser, "--ngram-min", env="SPECDEC_DRAFTER_NGRAM_MIN", type=int, default=1,
               help="shortest n-gram the prompt-lookup proposer matches")
+    flags.add(parser, "--lookup-min-match", env="SPECDEC_DRAFTER_LOOKUP_MIN_MATCH", type=int, default=3,
+              help="with --proposer hybrid, the shortest match that drafts by lookup instead of the model")
     return parser
 
 
@@ -77,7 +81,11 @@ def make_proposer(args) -> Proposer:
         raise SystemExit("--proposer model needs --model")
     model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
     output_ids = modeling.restrict_output(model, args.model)
-    return ModelProposer(server.engine(model, args), tokenizer, args.model, args.max_draft_support, output_ids)
+    proposer = ModelProposer(server.engine(model, args), tokenizer, args.model, args.max_draft_support, output_ids)
+    if args.proposer == "hybrid":
+        return HybridProposer(proposer, NgramProposer(max(args.ngram_max, args.lookup_min_match),
+                                                      args.lookup_min_match))
+    return proposer
 
 
 async def serve(args, on_listen=None) -> None:

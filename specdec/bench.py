@@ -9,7 +9,15 @@ On one prompt set, in one run, interleaved per prompt:
   adaptive     the same services, K chosen by the orchestrator each round
   overlap      `specdec up --overlap`: K fixed, each round drafted while the last one
                is verified
-  ngram        `specdec up` with the prompt-lookup drafter (--ngram)
+  ngram        `specdec up --draft ngram`: the prompt-lookup drafter
+  hybrid       `specdec up --proposer hybrid`: prompt lookup when the context holds a
+               long match, the model draft otherwise; K chosen each round
+
+Prompts come in categories (open chat, code, repetitive tasks whose answer copies the
+prompt, plain-text continuation); speedups are reported overall and per category.
+`--quantize none,int8` runs every variant under both numerics in the same run, each
+against the target alone with its own numerics and the int8 ones against the fp32
+target too.
 
 Per variant: tokens/s (median and spread over prompts x repeats), time to first token,
 inter-token latency percentiles (gaps between streamed chunks), acceptance overall and
@@ -35,7 +43,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from specdec import launch, modeling
+from specdec import launch, modeling, quantize
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
@@ -45,7 +53,39 @@ log = logging.getLogger("bench")
 
 DEFAULT_PROMPTS = Path(__file__).parent / "bench_prompts.txt"
 IN_PROCESS_KV_BYTES = 256 << 20
-VARIANTS = ("target", "assisted", "inprocess", "grpc", "adaptive", "overlap", "ngram")
+VARIANTS = ("target", "assisted", "inprocess", "grpc", "adaptive", "overlap", "ngram", "hybrid")
+ROUND_VARIANTS = ("inprocess", "grpc", "overlap")  # the model draft at the fixed K: step costs explain them
+
+
+@dataclass
+class Prompt:
+    category: str
+    text: str
+    raw: bool = False  # sent as plain text, not through the chat template
+
+    def encode(self, tokenizer) -> list[int]:
+        if self.raw:
+            return tokenizer(self.text)["input_ids"]
+        return tokenizer.apply_chat_template([{"role": "user", "content": self.text}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    """One prompt a line ("\\n" in it is a newline); a line "[name]" starts a category,
+    "[name raw]" one of plain-text prompts; "#" starts a comment line."""
+    prompts, category, raw = [], "prompts", False
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            category, *options = line[1:-1].split()
+            raw = "raw" in options
+            continue
+        prompts.append(Prompt(category, line.replace("\\n", "\n"), raw))
+    if not prompts:
+        raise SystemExit(f"--prompts: no prompts in {path}")
+    return prompts
 
 
 @dataclass
@@ -64,6 +104,12 @@ class Run:
     lookahead_hits: int = 0
     draft_s: float = 0.0  # waiting on the drafter, summed over rounds
     verify_s: float = 0.0  # waiting on the verifier
+    numerics: str = "none"  # --quantize of every model of the run
+    category: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.variant if self.numerics == "none" else f"{self.variant}-{self.numerics}"
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,8 +126,8 @@ class _Clock:
         if not self.prompt_seen:  # generate() first puts the prompt
             self.prompt_seen = True
             return
-        now = time.perf_counter() - self.started
-        self.arrivals += [now] * value.numel()
+        count = len(value.tolist())  # waits for the device: the token exists now
+        self.arrivals += [time.perf_counter() - self.started] * count
 
     def end(self):
         pass
@@ -89,8 +135,9 @@ class _Clock:
 
 def run_hf(variant: str, index: int, target, ids: list[int], max_new_tokens: int, assistant=None) -> Run:
     clock = _Clock()
-    out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          do_sample=False, max_new_tokens=max_new_tokens, streamer=clock,
+    device = target.device
+    out = target.generate(torch.tensor([ids], device=device),
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device), do_sample=False, max_new_tokens=max_new_tokens, streamer=clock,
                           assistant_model=assistant)
     wall = time.perf_counter() - clock.started
     return Run(variant, index, out[0, len(ids):].tolist(), wall, clock.arrivals)
@@ -219,22 +266,25 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def summarize(runs: list[Run], reference: dict[int, list[int]], k: int, costs: dict) -> dict:
+def summarize(runs: list[Run], k: int, costs: dict[str, dict]) -> dict:
+    """Per label (a variant under some numerics): rates, latencies, acceptance, and the
+    speedup over the target alone with the same numerics, overall and per category.
+    costs: the step costs of each numerics."""
+    reference = {(r.numerics, r.prompt): r.tokens for r in runs if r.variant == "target"}
     by_variant = {}
-    for variant in VARIANTS:
-        mine = [r for r in runs if r.variant == variant]
-        if not mine:
-            continue
+    for label in dict.fromkeys(r.label for r in runs):
+        mine = [r for r in runs if r.label == label]
         rates = [r.tokens_per_s for r in mine]
         gaps = [b - a for r in mine for a, b in zip(r.arrivals, r.arrivals[1:]) if b > a]
         row = {
+            "variant": mine[0].variant, "numerics": mine[0].numerics,
             "runs": len(mine),
             "tokens": sum(len(r.tokens) for r in mine),
             "tokens_per_s_median": statistics.median(rates),
             "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates),
             "ttft_s_median": statistics.median(r.arrivals[0] for r in mine if r.arrivals),
             "itl_s_p50": percentile(gaps, 50), "itl_s_p90": percentile(gaps, 90), "itl_s_p99": percentile(gaps, 99),
-            "same_tokens_as_target": all(r.tokens == reference[r.prompt] for r in mine),
+            "same_tokens_as_target": all(r.tokens == reference[r.numerics, r.prompt] for r in mine),
         }
         rounds = sum(r.rounds for r in mine)
         if rounds:
@@ -258,39 +308,50 @@ def summarize(runs: list[Run], reference: dict[int, list[int]], k: int, costs: d
         lookaheads = sum(r.lookaheads for r in mine)
         if lookaheads:
             row.update({"lookaheads": lookaheads, "lookahead_hits": sum(r.lookahead_hits for r in mine)})
-        by_variant[variant] = row
-    target_rate = by_variant["target"]["tokens_per_s_median"]
-    for variant, row in by_variant.items():
-        # Speedup per prompt and repeat against the target run next to it, then the median.
-        pairs = [(r, t) for r in runs if r.variant == variant
-                 for t in runs if t.variant == "target" and t.prompt == r.prompt]
-        row["speedup_median"] = statistics.median(r.tokens_per_s / t.tokens_per_s for r, t in pairs) if pairs \
-            else row["tokens_per_s_median"] / target_rate
-    c = costs["draft_step"] / costs["target_step"]
-    v = costs["verify"] / costs["target_step"]
-    for variant in ("inprocess", "grpc", "overlap"):
-        row = by_variant.get(variant)
-        if row and "rounds" in row:
+
+        # Speedups per prompt and repeat against the target run next to it, then medians.
+        def speedups(numerics: str, category: str | None = None) -> list[float]:
+            return [r.tokens_per_s / t.tokens_per_s for r in mine if category in (None, r.category)
+                    for t in runs if t.variant == "target" and t.numerics == numerics and t.prompt == r.prompt]
+
+        row["speedup_median"] = statistics.median(speedups(row["numerics"]))
+        row["speedup_by_category"] = {c: statistics.median(speedups(row["numerics"], c))
+                                      for c in dict.fromkeys(r.category for r in mine)}
+        if row["numerics"] != "none" and ("none", mine[0].prompt) in reference:
+            row["speedup_vs_fp32_target"] = statistics.median(speedups("none"))
+        by_variant[label] = row
+    for label, row in by_variant.items():
+        cost = costs[row["numerics"]]
+        if row["variant"] in ROUND_VARIANTS and "rounds" in row:
+            c, v = cost["draft_step"] / cost["target_step"], cost["verify"] / cost["target_step"]
             alpha = alpha_from_accepted(row["mean_accepted_length"], k)
             row.update({"alpha": alpha, "bound": bound(alpha, k, c, v)})
             row["fraction_of_bound"] = row["speedup_median"] / row["bound"]
-    if "grpc" in by_variant and "inprocess" in by_variant and "round_s" in by_variant["grpc"]:
-        by_variant["grpc"]["network_s_per_round"] = by_variant["grpc"]["round_s"] - by_variant["inprocess"]["round_s"]
-    return {"k": k, "costs_s": costs, "c": c, "verify_cost": v, "variants": by_variant}
+        inprocess = by_variant.get(label.replace("grpc", "inprocess", 1))
+        if row["variant"] == "grpc" and "round_s" in row and inprocess and "round_s" in inprocess:
+            row["network_s_per_round"] = row["round_s"] - inprocess["round_s"]
+    first = costs[next(iter(costs))]
+    return {"k": k, "costs_s": first, "c": first["draft_step"] / first["target_step"],
+            "verify_cost": first["verify"] / first["target_step"],
+            "numerics": {q: {"costs_s": c, "c": c["draft_step"] / c["target_step"],
+                             "verify_cost": c["verify"] / c["target_step"]} for q, c in costs.items()},
+            "variants": by_variant}
 
 
 def markdown(summary: dict, meta: dict) -> str:
     lines = [f"target `{meta['target']}`, draft `{meta['draft']}`, K={summary['k']}, "
              f"{meta['prompts']} prompts x {meta['repeats']} repeats x {meta['max_new_tokens']} new tokens, "
-             f"device {meta['device']}",
-             "",
-             f"c = {summary['c']:.3f} (draft step {summary['costs_s']['draft_step'] * 1e3:.1f} ms, target step "
-             f"{summary['costs_s']['target_step'] * 1e3:.1f} ms); verify of K+1 tokens = {summary['verify_cost']:.2f}x "
-             f"a target step ({summary['costs_s']['verify'] * 1e3:.1f} ms)",
-             "",
-             "| variant | tok/s median (min-max) | speedup | TTFT ms | ITL p50/p90/p99 ms | acceptance | "
-             "accepted/round | per position | network ms/round | bound | of bound | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"device {meta['device']}, dtype {meta['dtype']}", ""]
+    for numerics, n in summary["numerics"].items():
+        costs = n["costs_s"]
+        lines.append(f"- quantize {numerics}: c = {n['c']:.3f} (draft step {costs['draft_step'] * 1e3:.1f} ms, "
+                     f"target step {costs['target_step'] * 1e3:.1f} ms); verify of K+1 tokens = "
+                     f"{n['verify_cost']:.2f}x a target step ({costs['verify'] * 1e3:.1f} ms)")
+    lines += ["", "Speedup: over the target alone with the same numerics (`-int8`: every model int8), the median "
+                  "over prompts of each run against the target's run of the same prompt.", "",
+              "| variant | tok/s median (min-max) | speedup | TTFT ms | ITL p50/p90/p99 ms | acceptance | "
+              "accepted/round | per position | network ms/round | bound | of bound | same tokens |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in summary["variants"].items():
         def opt(key, fmt):
             return fmt.format(row[key]) if key in row else "-"
@@ -302,14 +363,24 @@ def markdown(summary: dict, meta: dict) -> str:
             f"{row['itl_s_p90'] * 1e3:.0f}/{row['itl_s_p99'] * 1e3:.0f} | {opt('acceptance', '{:.2f}')} | "
             f"{opt('mean_accepted_length', '{:.2f}')} | {per_position} | {network} | {opt('bound', '{:.2f}x')} | "
             f"{opt('fraction_of_bound', '{:.0%}')} | {row['same_tokens_as_target']} |")
-    costs = summary["costs_s"]
+    categories = list(dict.fromkeys(c for row in summary["variants"].values() for c in row["speedup_by_category"]))
+    fp32 = any("speedup_vs_fp32_target" in row for row in summary["variants"].values())
+    lines += ["", "Speedup by prompt category (median):", "",
+              "| variant | " + " | ".join(categories) + " | all |" + (" all, over the fp32 target |" if fp32 else ""),
+              "|---|" + "---|" * (len(categories) + 1 + fp32)]
+    for name, row in summary["variants"].items():
+        cells = [f"{row['speedup_by_category'][c]:.2f}x" if c in row["speedup_by_category"] else "-"
+                 for c in categories]
+        extra = [f"{row['speedup_vs_fp32_target']:.2f}x" if "speedup_vs_fp32_target" in row else "-"] if fp32 else []
+        lines.append(f"| {name} | " + " | ".join([*cells, f"{row['speedup_median']:.2f}x", *extra]) + " |")
     lines += ["", "Where a round's time goes, ms per round (model: the same steps timed alone; the rest of a call is "
                   "the service, the network and waiting for the cores):", "",
               "| variant | round | drafter calls | of which K draft steps | verifier calls | of which the verify pass "
               "| orchestrator and client |", "|---|---|---|---|---|---|---|"]
     for name, row in summary["variants"].items():
-        if name not in ("inprocess", "grpc", "overlap") or "drafter_s_per_round" not in row:
-            continue  # the model draft at the fixed K only: the step costs were timed for it
+        if row["variant"] not in ROUND_VARIANTS or "drafter_s_per_round" not in row:
+            continue
+        costs = summary["numerics"][row["numerics"]]["costs_s"]
         drafter, verifier = row["drafter_s_per_round"], row["verifier_s_per_round"]
         steps = row["draft_tokens"] / row["rounds"] * costs["draft_step"]
         lines.append(f"| {name} | {row['round_s'] * 1e3:.1f} | {drafter * 1e3:.1f} | {steps * 1e3:.1f} | "
@@ -356,15 +427,80 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="a text file, one prompt per line")
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                        help="a text file, one prompt per line, in categories (see the default file)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
+    parser.add_argument("--quantize", default="none",
+                        help=f"numerics of every model, the target alone included: {' or '.join(quantize.METHODS)}, "
+                             "or several (none,int8): each runs every variant, side by side")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     return parser
+
+
+class Setup:
+    """Everything the variants of one numerics run on: the models in this process and
+    the deployments of the gRPC variants."""
+
+    def __init__(self, args, numerics: str, device: str, variants: list[str]):
+        from drafter_service.proposers import ModelProposer
+
+        self.numerics = numerics
+
+        def load(spec: str, head_cut: bool = False):
+            model, tokenizer = modeling.load_model(spec, args.dtype, device)
+            output_ids = modeling.restrict_output(model, spec) if head_cut else None
+            return quantize.quantize(model, numerics), tokenizer, output_ids
+
+        self.target, self.tokenizer, _ = load(args.target)
+        # Two copies of the draft: transformers' assisted generation needs the full output
+        # head; our drafter cuts it to the draft vocabulary, as the drafter service does.
+        self.draft = load(args.draft)[0]
+        proposer_model, _, output_ids = load(args.draft, head_cut=True)
+        self.proposer = ModelProposer(Engine(proposer_model, IN_PROCESS_KV_BYTES), self.tokenizer, args.draft,
+                                      output_ids=output_ids)
+        # The in-process round runs the target through the engine the verifier uses, which
+        # makes the model its own: `generate` gets another copy.
+        self.target_engine = Engine(load(args.target)[0], IN_PROCESS_KV_BYTES)
+        self.eos = modeling.eos_token_ids(self.target, self.tokenizer)
+        flags = ["--quantize", numerics]
+
+        def plan(draft=args.draft, overlap=False, proposer="model"):
+            drafter = flags if draft == "ngram" else [*flags, "--proposer", proposer]
+            return launch.plan(args.target, draft, 1, launch.free_port(), args.dtype, device, overlap,
+                               verifier_flags=flags, drafter_flags=drafter)
+
+        self.deployments = {}
+        if "grpc" in variants or "adaptive" in variants:
+            self.deployments["grpc"] = plan()
+        if "overlap" in variants:
+            self.deployments["overlap"] = plan(overlap=True)
+        if "ngram" in variants:
+            self.deployments["ngram"] = plan(draft="ngram")
+        if "hybrid" in variants:
+            self.deployments["hybrid"] = plan(proposer="hybrid")
+        self.channels, self.stubs = {}, {}
+
+    def connect(self) -> None:
+        for name, services in self.deployments.items():
+            self.channels[name] = grpc.insecure_channel(services[-1].address)
+            self.stubs[name] = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channels[name])
+        if "grpc" in self.stubs:
+            self.stubs["adaptive"] = self.stubs["grpc"]
+
+    def one(self, variant: str, index: int, ids: list[int], args) -> Run:
+        if variant == "target":
+            return run_hf(variant, index, self.target, ids, args.max_new_tokens)
+        if variant == "assisted":
+            return run_hf(variant, index, self.target, ids, args.max_new_tokens, assistant=self.draft)
+        if variant == "inprocess":
+            return run_inprocess(index, self.target_engine, self.proposer, ids, args.max_new_tokens, args.k, self.eos)
+        k = None if variant in ("adaptive", "hybrid") else args.k  # the hybrid as it deploys: K chosen per round
+        return run_grpc(variant, index, self.stubs[variant], ids, args.max_new_tokens, k)
 
 
 def run(args) -> dict:
@@ -375,72 +511,48 @@ def run(args) -> dict:
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     if "target" not in variants:
         variants.insert(0, "target")  # every variant is checked against it
-    prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
-    target, tokenizer = modeling.load_model(args.target, args.dtype, device)
-    from drafter_service.proposers import ModelProposer
-
-    # Two copies of the draft: transformers' assisted generation needs the full output
-    # head; our drafter cuts it to the draft vocabulary, as the drafter service does.
-    draft, _ = modeling.load_model(args.draft, args.dtype, device)
-    proposer_model, _ = modeling.load_model(args.draft, args.dtype, device)
-    output_ids = modeling.restrict_output(proposer_model, args.draft)
-    proposer = ModelProposer(Engine(proposer_model, IN_PROCESS_KV_BYTES), tokenizer, args.draft, output_ids=output_ids)
-    # The in-process round runs the target through the engine the verifier uses, which
-    # makes the model its own: `generate` gets another copy.
-    target_engine = Engine(modeling.load_model(args.target, args.dtype, device)[0], IN_PROCESS_KV_BYTES)
-    eos = modeling.eos_token_ids(target, tokenizer)
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for p in prompts]
-    deployments = {}
-    if "grpc" in variants or "adaptive" in variants:
-        deployments["grpc"] = launch.plan(args.target, args.draft, 1, launch.free_port(), args.dtype, device)
-    if "overlap" in variants:
-        deployments["overlap"] = launch.plan(args.target, args.draft, 1, launch.free_port(), args.dtype, device,
-                                             overlap=True)
-    if "ngram" in variants:
-        deployments["ngram"] = launch.plan(args.target, "ngram", 1, launch.free_port(), args.dtype, device)
-    for services in deployments.values():
+    numerics = [q.strip() for q in args.quantize.split(",") if q.strip()]
+    if not numerics or set(numerics) - set(quantize.METHODS):
+        raise SystemExit(f"--quantize: a list of {', '.join(quantize.METHODS)}, got {args.quantize!r}")
+    prompts = read_prompts(args.prompts)
+    setups = [Setup(args, q, device, variants) for q in numerics]
+    encoded = [prompt.encode(setups[0].tokenizer) for prompt in prompts]
+    every = [services for setup in setups for services in setup.deployments.values()]
+    for services in every:
         launch.start(services)
     try:
-        for services in deployments.values():
+        for services in every:
             launch.wait_serving(services, 900)
-        channels = {name: grpc.insecure_channel(services[-1].address) for name, services in deployments.items()}
-        stubs = {name: orchestrator_pb2_grpc.OrchestratorServiceStub(ch) for name, ch in channels.items()}
-        if "grpc" in stubs:
-            stubs["adaptive"] = stubs["grpc"]
+        for setup in setups:
+            setup.connect()
         with torch.inference_mode():
             warm = encoded[0][:16]  # first calls pay one-off costs: keep them out of the figures
-            run_hf("target", -1, target, warm, 4)
-            for name, stub in stubs.items():
-                run_grpc(name, -1, stub, warm, 4, None if name == "adaptive" else args.k)
+            for setup in setups:
+                run_hf("target", -1, setup.target, warm, 4)
+                for name, stub in setup.stubs.items():
+                    run_grpc(name, -1, stub, warm, 4, None if name in ("adaptive", "hybrid") else args.k)
             runs = []
             for repeat in range(args.repeats):
-                for index, ids in enumerate(encoded):
-                    for variant in variants:
-                        if variant == "target":
-                            run = run_hf(variant, index, target, ids, args.max_new_tokens)
-                        elif variant == "assisted":
-                            run = run_hf(variant, index, target, ids, args.max_new_tokens, assistant=draft)
-                        elif variant == "inprocess":
-                            run = run_inprocess(index, target_engine, proposer, ids, args.max_new_tokens, args.k,
-                                                eos)
-                        else:
-                            k = None if variant == "adaptive" else args.k
-                            run = run_grpc(variant, index, stubs[variant], ids, args.max_new_tokens, k)
-                        runs.append(run)
-                        log.info("repeat %d prompt %d %-9s %5.1f tok/s (%d tokens)", repeat, index, variant,
-                                 run.tokens_per_s, len(run.tokens))
-            costs = step_costs(target_engine, proposer.engine, encoded[0], args.k)
-        for channel in channels.values():
-            channel.close()
+                for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+                    for setup in setups:
+                        for variant in variants:
+                            run = setup.one(variant, index, ids, args)
+                            run.numerics, run.category = setup.numerics, prompt.category
+                            runs.append(run)
+                            log.info("repeat %d prompt %d (%s) %-14s %5.1f tok/s (%d tokens)", repeat, index,
+                                     prompt.category, run.label, run.tokens_per_s, len(run.tokens))
+            costs = {setup.numerics: step_costs(setup.target_engine, setup.proposer.engine, encoded[0], args.k)
+                     for setup in setups}
+        for setup in setups:
+            for channel in setup.channels.values():
+                channel.close()
     finally:
-        for services in deployments.values():
+        for services in every:
             launch.stop(services)
-    reference = {r.prompt: r.tokens for r in runs if r.variant == "target"}
-    summary = summarize(runs, reference, args.k, costs)
+    summary = summarize(runs, args.k, costs)
     meta = {"target": args.target, "draft": args.draft, "prompts": len(prompts), "repeats": args.repeats,
-            "max_new_tokens": args.max_new_tokens, "device": device, "dtype": args.dtype,
-            "command": " ".join(sys.argv)}
+            "max_new_tokens": args.max_new_tokens, "device": device, "dtype": args.dtype, "quantize": numerics,
+            "categories": sorted({p.category for p in prompts}), "command": " ".join(sys.argv)}
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}
     (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")

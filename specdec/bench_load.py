@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from specdec import launch, modeling
-from specdec.bench import percentile
+from specdec.bench import percentile, read_prompts
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 log = logging.getLogger("bench-load")
@@ -190,11 +190,14 @@ def chart(cells: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def reference_outputs(target: str, dtype: str, device: str, prompts: list[list[int]], max_new_tokens: int):
+def reference_outputs(target: str, dtype: str, device: str, numerics: str, prompts: list[list[int]],
+                      max_new_tokens: int):
     """The target's own greedy output per prompt (transformers `generate`)."""
     import torch
 
-    model, _ = modeling.load_model(target, dtype, device)
+    from specdec.quantize import quantize
+
+    model = quantize(modeling.load_model(target, dtype, device)[0], numerics)
     out = {}
     with torch.inference_mode():
         for i, ids in enumerate(prompts):
@@ -211,7 +214,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
     parser.add_argument("--num-drafters", type=int, default=1)
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="a text file, one prompt per line")
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                        help="a text file, one prompt per line, in categories (see the default file)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,4,8,16,64", help="stream counts, comma-separated")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds each cell's load is held")
@@ -219,6 +223,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
+    parser.add_argument("--quantize", default="none", choices=["none", "int8"], help="numerics of every model")
     parser.add_argument("--out", type=Path, default=Path("bench-load-out"))
     return parser
 
@@ -231,14 +236,13 @@ def run(args) -> dict:
         variants.insert(0, "target")  # the yardstick of every row
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = modeling.load_tokenizer(args.target)
-    texts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for t in texts]
-    reference = reference_outputs(args.target, args.dtype, args.device, prompts, args.max_new_tokens)
+    prompts = [prompt.encode(tokenizer) for prompt in read_prompts(args.prompts)]
+    reference = reference_outputs(args.target, args.dtype, args.device, args.quantize, prompts, args.max_new_tokens)
+    numerics = ["--quantize", args.quantize]
     deployments = {"batched": launch.plan(args.target, args.draft, args.num_drafters, launch.free_port(), args.dtype,
-                                          args.device)}
+                                          args.device, verifier_flags=numerics, drafter_flags=numerics)}
     if "unbatched" in variants:
-        off = ["--max-batch-rows", "1"]
+        off = [*numerics, "--max-batch-rows", "1"]
         deployments["unbatched"] = launch.plan(args.target, args.draft, args.num_drafters, launch.free_port(),
                                                args.dtype, args.device, verifier_flags=off, drafter_flags=off)
     ks = {"target": 0, "fixed": args.k, "adaptive": None, "unbatched": None}
@@ -267,7 +271,7 @@ def run(args) -> dict:
     single = cells[levels[0]]["target"]["tokens_per_s"] / levels[0]  # per stream, at the lowest concurrency
     meta = {"target": args.target, "draft": args.draft, "num_drafters": args.num_drafters, "k": args.k,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": args.device,
-            "dtype": args.dtype, "single_target_tokens_per_s": single, "command": " ".join(sys.argv)}
+            "dtype": args.dtype, "quantize": args.quantize, "single_target_tokens_per_s": single, "command": " ".join(sys.argv)}
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta, "cells": {str(c): v for c, v in cells.items()}}
     (args.out / "bench-load.json").write_text(json.dumps(report, indent=1) + "\n")

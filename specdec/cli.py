@@ -66,6 +66,7 @@ def ray_command(args) -> int:
         import signal
 
         from deploy.ray import launcher
+        from specdec import launch
 
         autoscale = None
         if args.autoscale:
@@ -74,13 +75,13 @@ def ray_command(args) -> int:
         import ray
 
         started = time.monotonic()
-        batching = ["--max-batch-rows", str(args.max_batch_rows)]
+        verifier_flags, drafter_flags = launch.service_flags(args)
         try:
             deployment = launcher.up(
                 args.target, args.draft, args.num_drafters, port=args.port, address=args.address,
                 verifier_gpus=args.verifier_gpus, verifier_cpus=args.verifier_cpus, drafter_cpus=args.drafter_cpus,
                 orchestrator_cpus=args.orchestrator_cpus, dtype=args.dtype, device=args.device,
-                verifier_flags=[*batching, "--kv-cache-bytes", str(args.kv_cache_bytes)], drafter_flags=batching,
+                verifier_flags=verifier_flags, drafter_flags=drafter_flags,
                 orchestrator_flags=["--overlap" if args.overlap else "--no-overlap"], autoscale=autoscale,
                 startup_timeout_s=args.startup_timeout)
         except (launcher.PlacementError, TimeoutError) as err:
@@ -126,6 +127,10 @@ def ray_command(args) -> int:
 def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     """What `specdec up` and `specdec ray up` both take."""
     flags.add(p, "--dtype", env="SPECDEC_DTYPE", default="float32", help="weights dtype of both models")
+    flags.add(p, "--proposer", env="SPECDEC_PROPOSER", default="model", choices=["model", "hybrid"],
+              help="how a model draft drafts: model alone, or prompt lookup when the context holds a long match")
+    flags.add(p, "--quantize", env="SPECDEC_QUANTIZE", default="none", choices=["none", "int8"],
+              help="int8 weights and activations for both models (the CPU fast path)")
     flags.add(p, "--device", env="SPECDEC_DEVICE", default=None,
               help="torch device of the verifier (default: cpu; under Ray, cuda when it got a GPU)")
     flags.add(p, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,

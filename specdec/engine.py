@@ -366,7 +366,10 @@ class Engine:
                              position_ids=torch.tensor([positions], device=device),
                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                              use_cache=False, specdec_plan=plan)
-        return out.logits[0].float()
+            logits = out.logits[0].float()
+        if device.type == "cuda":  # the pass's time is read right after: let it end first
+            torch.cuda.synchronize(device)
+        return logits
 
     def _group(self, placed: list[tuple[Row, int]]) -> Group:
         """The attention layout of rows (each with its offset in the packed tokens)."""

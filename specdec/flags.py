@@ -51,6 +51,8 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
     """Flags of the services that load a model and keep sessions (drafter, verifier)."""
     add(parser, "--dtype", env=f"{prefix}_DTYPE", default="float32", choices=["float32", "float16", "bfloat16"],
         help="weights dtype")
+    add(parser, "--quantize", env=f"{prefix}_QUANTIZE", default="none", choices=["none", "int8"],
+        help="int8: int8 weights and per-row int8 activations in every linear layer (CPU only)")
     add(parser, "--device", env=f"{prefix}_DEVICE", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     add(parser, "--max-sessions", env=f"{prefix}_MAX_SESSIONS", type=int, default=256,
         help="open sessions before RESOURCE_EXHAUSTED")

@@ -47,8 +47,8 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
     drafters = []
     for i in range(num_drafters):
         d = Service(f"drafter-{i}", free_port(), [])
-        proposer = ["--proposer", "ngram"] if draft == "ngram" else [
-            "--proposer", "model", "--model", draft, "--dtype", dtype, "--device", device]
+        proposer = ["--proposer", "ngram"] if draft == "ngram" else [  # the model's proposer: drafter_flags
+            "--model", draft, "--dtype", dtype, "--device", device]
         d.argv = [*python, "drafter_service", "--host", HOST, "--port", str(d.port), *proposer, *drafter_flags]
         drafters.append(d)
     orchestrator = Service("orchestrator", port, [])
@@ -103,11 +103,18 @@ def stop(services: list[Service], grace_s: float = 10.0) -> None:
                 service.process.wait()
 
 
+def service_flags(args) -> tuple[list[str], list[str]]:
+    """The verifier's and the drafters' flags from the deployment flags both `specdec up`
+    and `specdec ray up` take."""
+    shared = ["--max-batch-rows", str(args.max_batch_rows), "--quantize", args.quantize]
+    proposer = [] if args.draft == "ngram" else ["--proposer", args.proposer]
+    return [*shared, "--kv-cache-bytes", str(args.kv_cache_bytes)], [*shared, *proposer]
+
+
 def up(args) -> int:
-    batching = ["--max-batch-rows", str(args.max_batch_rows)]
+    verifier_flags, drafter_flags = service_flags(args)
     services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device or "cpu",
-                    args.overlap, verifier_flags=[*batching, "--kv-cache-bytes", str(args.kv_cache_bytes)],
-                    drafter_flags=batching)
+                    args.overlap, verifier_flags=verifier_flags, drafter_flags=drafter_flags)
     stopping = False
 
     def on_signal(signum, frame):

@@ -64,5 +64,5 @@ class Draws:
         return torch.rand((), generator=self._generator(position)).item()
 
     def sample(self, probs: torch.Tensor, position: int) -> int:
-        """One token from probs: [vocab]."""
-        return torch.multinomial(probs.float(), 1, generator=self._generator(position)).item()
+        """One token from probs: [vocab] (a host generator: probs are copied to the host)."""
+        return torch.multinomial(probs.float().cpu(), 1, generator=self._generator(position)).item()

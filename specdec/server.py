@@ -14,14 +14,16 @@ from grpc_reflection.v1alpha import reflection
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine
 from specdec.errors import Unavailable, abort
+from specdec.quantize import quantize
 from specdec.sessions import SessionStore
 
 log = logging.getLogger(__name__)
 
 
 def engine(model, args) -> Engine:
-    """The model's batching engine, sized by the session-service flags."""
-    return Engine(model, args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens, args.max_waiting_sessions)
+    """The model's batching engine, sized by the session-service flags (and the model
+    quantized as they say: the drafter cuts its output head first)."""
+    return Engine(quantize(model, args.quantize), args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens, args.max_waiting_sessions)
 
 
 class SessionServicer:

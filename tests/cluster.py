@@ -6,6 +6,7 @@ import sys
 import grpc
 import torch
 
+from specdec.quantize import quantize
 from specdec.launch import HOST, Service, free_port, start, stop, wait_serving
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
@@ -13,16 +14,28 @@ from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 PY = [sys.executable, "-m"]
 
+# The numerics the services and the references run with. The default run is fp32 on the
+# CPU; the gpu and int8 suites run the exactness tests again under others.
+DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
+QUANTIZE = os.environ.get("SPECDEC_TEST_QUANTIZE", "none")
+NUMERICS = ["--device", DEVICE, "--quantize", QUANTIZE]
+
+
+def as_tested(model):
+    """`model` with the numerics the services under test use."""
+    return quantize(model.to(DEVICE), QUANTIZE)
+
 
 def verifier(model, name="verifier", port=None) -> Service:
     port = port or free_port()
-    return Service(name, port, [*PY, "verifier_service", "--host", HOST, "--port", str(port), "--model", str(model)])
+    return Service(name, port, [*PY, "verifier_service", "--host", HOST, "--port", str(port), "--model", str(model),
+                                *NUMERICS])
 
 
-def drafter(model=None, name="drafter", port=None) -> Service:
+def drafter(model=None, name="drafter", port=None, proposer="model", extra=()) -> Service:
     port = port or free_port()
-    proposer = ["--proposer", "model", "--model", str(model)] if model else ["--proposer", "ngram"]
-    return Service(name, port, [*PY, "drafter_service", "--host", HOST, "--port", str(port), *proposer])
+    proposer = ["--proposer", proposer, "--model", str(model), *NUMERICS] if model else ["--proposer", "ngram"]
+    return Service(name, port, [*PY, "drafter_service", "--host", HOST, "--port", str(port), *proposer, *extra])
 
 
 def orchestrator(verifier: Service, drafters: list[Service], tokenizer, name="orchestrator",
@@ -107,8 +120,8 @@ class Stream:
 
 def reference(model, ids: list[int], max_new: int) -> list[int]:
     """The target alone: transformers' greedy generate."""
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=max_new)
+    out = model.generate(torch.tensor([ids], device=model.device), do_sample=False, max_new_tokens=max_new,
+                         attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device))
     return out[0, len(ids):].tolist()
 
 
@@ -128,4 +141,4 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-__all__ = ["Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2", "reference", "Stream", "cases", "chat_ids"]
+__all__ = ["as_tested", "Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2", "reference", "Stream", "cases", "chat_ids"]

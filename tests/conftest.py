@@ -5,6 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from cluster import as_tested  # noqa: E402
 from models import build_llama, noisy_copy, word_tokenizer  # noqa: E402
 from specdec import modeling  # noqa: E402
 
@@ -22,7 +23,7 @@ def tiny_pair(tmp_path_factory, smol_tokenizer):
     root = tmp_path_factory.mktemp("tiny")
     target = build_llama(smol_tokenizer, root / "target", seed=0, init_range=0.1, eos_token_id=2)
     noisy_copy(target, smol_tokenizer, root / "draft", noise=0.06, seed=1)
-    return root / "target", root / "draft", target
+    return root / "target", root / "draft", as_tested(target)
 
 
 MICRO_WORDS = ["<eos>", "a", "b", "c", "d", "e", "f", "g"]
@@ -36,4 +37,4 @@ def micro_pair(tmp_path_factory):
     tok = word_tokenizer(MICRO_WORDS)
     target = build_llama(tok, root / "target", seed=3, hidden=32, init_range=0.5)
     noisy_copy(target, tok, root / "draft", noise=0.5, seed=4)
-    return root / "target", root / "draft", target
+    return root / "target", root / "draft", as_tested(target)

@@ -28,7 +28,9 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest) -> tup
     params = request.sampling
     if sampling.is_greedy(params):
         return (*accept_greedy(logits.argmax(dim=-1).tolist(), drafts), done)
-    p = sampling.probs(logits, params)
+    # The rule runs on the host, from one copy of p per round (K+1 rows): its draws
+    # come from host generators keyed by position, whatever the model's device.
+    p = sampling.probs(logits, params).cpu()
     q = dense_q(list(request.draft_probs), drafts, p.shape[-1])
     return (*accept_sampled(p, q, drafts, n, Draws(params.seed, "accept"), Draws(params.seed, "target")), done)
 

@@ -125,8 +125,8 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
         name=f"{name}-verifier", num_cpus=verifier_cpus, num_gpus=verifier_gpus, max_restarts=3,
     ).remote("verifier", ["--host", host, "--port", str(verifier_port), "--model", target, "--dtype", dtype,
                           "--device", device, *verifier_flags])
-    proposer = ["--proposer", "ngram"] if draft == "ngram" else [
-        "--proposer", "model", "--model", draft, "--dtype", dtype, "--device", "cpu"]  # drafter actors ask for CPUs
+    proposer = ["--proposer", "ngram"] if draft == "ngram" else [  # the model's proposer: drafter_flags
+        "--model", draft, "--dtype", dtype, "--device", "cpu"]  # drafter actors ask for CPUs
     controller_name = f"{name}-drafter-controller"
     controller = ray.remote(DrafterController).options(name=controller_name, num_cpus=0, max_restarts=3).remote(
         name, ["--host", host, "--port", "0", *proposer, *drafter_flags], drafter_cpus, 0, drain_s)

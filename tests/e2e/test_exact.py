@@ -23,7 +23,7 @@ def expected(tiny_pair, smol_tokenizer):
     return by_prompt
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram", "overlap"])
+@pytest.mark.parametrize("kind", ["model", "ngram", "hybrid", "overlap"])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_matches_target(tiny_cluster, expected, kind, k):
     stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles[kind])

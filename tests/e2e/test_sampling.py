@@ -21,15 +21,18 @@ SAMPLES = 1200
 @pytest.fixture(scope="module")
 def micro_cluster(micro_pair):
     """One verifier and drafter; an orchestrator that drafts each round after the last
-    one's verification, and one that drafts it during (--overlap)."""
+    one's verification, and one that drafts it during (--overlap); a hybrid drafter that
+    looks up any 1-token match (on 8 tokens, most rounds) and its orchestrator."""
     target_dir, draft_dir, _ = micro_pair
     cluster = Cluster()
     v, d = verifier(target_dir), drafter(draft_dir)
-    cluster.start(v, d)
+    hybrid = drafter(draft_dir, "hybrid-drafter", proposer="hybrid", extra=["--lookup-min-match", "1"])
+    cluster.start(v, d, hybrid)
     o = orchestrator(v, [d], target_dir)
     overlapping = orchestrator(v, [d], target_dir, "orchestrator-overlap", extra=["--overlap"])
-    cluster.start(o, overlapping)
-    cluster.roles = {"plain": o, "overlap": overlapping}
+    with_hybrid = orchestrator(v, [hybrid], target_dir, "orchestrator-hybrid")
+    cluster.start(o, overlapping, with_hybrid)
+    cluster.roles = {"plain": o, "overlap": overlapping, "hybrid": with_hybrid}
     yield cluster
     cluster.close()
 
@@ -41,7 +44,7 @@ def exact_outcomes(model, params: common_pb2.SamplingParams, depth: int) -> dict
 
     def walk(prefix: tuple, prob: float):
         with torch.no_grad():
-            p = sampling.probs(model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1], params).double()
+            p = sampling.probs(model(torch.tensor([PROMPT + list(prefix)], device=model.device)).logits[0, -1], params).double()
         for token in torch.nonzero(p).flatten().tolist():
             out = prefix + (token,)
             if token == EOS or len(out) == depth:
@@ -108,7 +111,15 @@ def test_overlap_distribution_matches_target(micro_cluster, micro_pair):
     assert sum(s.lookahead_hits for s in results) > 0  # the drafted-ahead path ran
 
 
-@pytest.mark.parametrize("role", ["plain", "overlap"])
+def test_hybrid_distribution_matches_target(micro_cluster, micro_pair):
+    """Rounds drafted by lookup (one-hot q) and by the model (its sparse q) mixed within
+    one output: still the target's distribution."""
+    params = common_pb2.SamplingParams(temperature=1.0, top_k=3, top_p=1.0)
+    check_distribution(micro_cluster.orchestrator_stub(micro_cluster.roles["hybrid"]), micro_pair[2], params,
+                       depth=4, k=1)
+
+
+@pytest.mark.parametrize("role", ["plain", "overlap", "hybrid"])
 def test_seed_reproduces_output(micro_cluster, role):
     stub = micro_cluster.orchestrator_stub(micro_cluster.roles[role])
 

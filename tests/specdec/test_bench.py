@@ -10,19 +10,22 @@ from specdec import bench, cli
 def test_bench_runs_every_variant_and_they_agree(tiny_pair, tmp_path):
     target, draft, _ = tiny_pair
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Write a haiku about the sea.\nList three colors.\n")
+    prompts.write_text("# two categories\n[chat]\nWrite a haiku about the sea.\n[text raw]\nThe sea is\n")
     out = tmp_path / "out"
     args = cli.build_parser().parse_args(
         ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
-         "--max-new-tokens", "12", "-k", "3", "--out", str(out)])
+         "--max-new-tokens", "12", "-k", "3", "--quantize", "none,int8", "--out", str(out)])
     assert bench.main_with(args) == 0
 
     report = json.loads((out / "bench.json").read_text())
     variants = report["summary"]["variants"]
-    assert set(variants) == set(bench.VARIANTS)
+    assert set(variants) == set(bench.VARIANTS) | {f"{v}-int8" for v in bench.VARIANTS}
     for name, row in variants.items():
-        assert row["same_tokens_as_target"], name
+        assert row["same_tokens_as_target"], name  # each against the target with its own numerics
         assert row["runs"] == 2 and row["tokens"] > 0 and row["tokens_per_s_median"] > 0, name
+        assert set(row["speedup_by_category"]) == {"chat", "text"}, name
+        assert ("speedup_vs_fp32_target" in row) == name.endswith("-int8"), name
+
     for name in ("inprocess", "grpc"):
         row = variants[name]
         assert row["rounds"] > 0 and len(row["acceptance_per_position"]) == 3
@@ -39,3 +42,14 @@ def test_bench_runs_every_variant_and_they_agree(tiny_pair, tmp_path):
     table = (out / "bench.md").read_text()
     assert all(f"| {name} |" in table for name in bench.VARIANTS)
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompt_file_categories(tmp_path, smol_tokenizer):
+    path = tmp_path / "prompts.txt"
+    path.write_text("# a comment\nno category yet\n[code]\nFix this:\\n  x = 1\n[text raw]\nOnce upon\n")
+    prompts = bench.read_prompts(path)
+    assert [(p.category, p.text, p.raw) for p in prompts] == [
+        ("prompts", "no category yet", False), ("code", "Fix this:\n  x = 1", False), ("text", "Once upon", True)]
+    assert prompts[2].encode(smol_tokenizer) == smol_tokenizer("Once upon")["input_ids"]
+    chat = prompts[1].encode(smol_tokenizer)
+    assert smol_tokenizer.decode(chat).count("<|im_start|>") >= 2 and "Fix this:\n  x = 1" in smol_tokenizer.decode(chat)

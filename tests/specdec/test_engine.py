@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from cluster import as_tested
 from specdec.engine import Engine
 from specdec.errors import NeedsResync, Overloaded
 from specdec.kv import TokenSequence
@@ -27,7 +28,7 @@ def models():
     model = LlamaForCausalLM(config).eval()
     reference = LlamaForCausalLM(copy.deepcopy(config)).eval()  # the engine sets its model's attention
     reference.load_state_dict(model.state_dict())
-    return model, reference
+    return as_tested(model), as_tested(reference)
 
 
 def engine(models, kv_bytes=1 << 20, **kwargs) -> Engine:
@@ -36,7 +37,7 @@ def engine(models, kv_bytes=1 << 20, **kwargs) -> Engine:
 
 def fresh(models, tokens, last):
     with torch.no_grad():
-        return models[1](torch.tensor([tokens])).logits[0, -last:]
+        return models[1](torch.tensor([tokens], device=models[1].device)).logits[0, -last:]
 
 
 def tokens(n, seed):

@@ -1,0 +1,55 @@
+"""int8 weights and per-row int8 activations (`--quantize int8`): a row's result does not
+depend on the other rows of a pass, it stays close to float, and the engine, exactness
+and concurrency suites hold with every model int8, against the int8 target alone."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.quantize import Int8Linear, quantize
+
+TESTS = Path(__file__).parent.parent
+
+
+def test_a_row_gives_the_same_result_alone_or_among_others():
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(96, 200, bias=True))
+    rows = torch.randn(7, 96) * torch.tensor([0.01, 1, 100, 1, 5, 0.1, 30])[:, None]  # scales far apart
+    together = layer(rows[None])[0]
+    for i in range(7):
+        assert torch.equal(layer(rows[i:i + 1]), together[i:i + 1])
+
+
+def test_close_to_float():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 1536, bias=False)
+    x = torch.randn(5, 576)
+    want = linear(x)
+    error = (Int8Linear(linear)(x) - want).norm() / want.norm()
+    assert error < 0.02, error
+
+
+def test_every_linear_layer_and_the_head_are_quantized():
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = quantize(LlamaForCausalLM(config).eval(), "int8")
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.get_output_embeddings(), Int8Linear)
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the embedding stays as it was
+    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 7)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        quantize(model, "int4")
+
+
+@pytest.mark.parametrize("suite", ["specdec/test_engine.py", "e2e/test_exact.py", "e2e/test_concurrent.py"])
+def test_suite_with_int8(suite):
+    env = {**os.environ, "SPECDEC_TEST_QUANTIZE": "int8"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(TESTS / suite)],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
