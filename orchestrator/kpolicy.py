@@ -69,6 +69,7 @@ class RoundCosts:
 
     def __init__(self, alpha_prior: float = 0.5, decay: float = 0.99):
         self.draft, self.batch_pass = _Curve(), _Curve()
+        self.draft.add(0, 0.0)  # drafting nothing costs nothing: one K seen gives a slope
         self.decay = decay
         self.rows, self.overhead = 1.0, 0.0  # running averages
         self.tried: set[int] = set()
@@ -120,8 +121,9 @@ class FixedK:
 
 
 class AdaptiveK:
-    """K per round from measured acceptance and costs. Until both costs are known for a
-    few Ks it tries them (the deployment's first rounds); later, one round in
+    """K per round from measured acceptance and costs. A deployment's first rounds learn
+    the costs cheapest first: K = 0, then K = 1, and `k_start` only once K = 1 promised
+    more than K = 0 (poor drafts never pay for a long first round). Later, one round in
     `probe_every` tries a neighbour of the best K so that estimates stay current.
 
     Speculation must promise `min_gain` more than the target alone before it is chosen:
@@ -154,13 +156,15 @@ class AdaptiveK:
 
     def choose(self) -> int:
         self.rounds += 1
-        # Learn the costs of K = 0, a middle K and the starting K before trusting them.
-        for k in (self.k_start, 0, max(1, self.k_start // 2)):
-            if len(self.costs.tried) < 3 and k not in self.costs.tried:
+        tried = self.costs.tried
+        for k in (0, min(1, self.k_max)):
+            if k not in tried:
                 return k
         speeds = {k: self.speed(k) for k in range(self.k_max + 1)}
         known = {k: s for k, s in speeds.items() if s is not None}
-        best = max(known, key=known.get) if known else self.k_start
+        if self.k_start not in tried and known.get(1, 0.0) > known.get(0, 0.0):
+            return self.k_start
+        best = max(known, key=known.get) if known else 0
         if best > 0 and 0 in known and known[best] < (1 + self.min_gain) * known[0]:
             best = 0
         # Probes cost every session of a pass (a late row holds the pass back); the costs are

@@ -11,7 +11,7 @@ On one prompt set, in one run, interleaved per prompt:
                is verified
   ngram        `specdec up --draft ngram`: the prompt-lookup drafter
   hybrid       `specdec up --proposer hybrid`: prompt lookup when the context holds a
-               long match, the model draft otherwise; K chosen each round
+               long match, the model draft otherwise; K fixed (-k), as for grpc
 
 Prompts come in categories (open chat, code, repetitive tasks whose answer copies the
 prompt, plain-text continuation); speedups are reported overall and per category.
@@ -436,8 +436,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
     parser.add_argument("--quantize", default="none",
-                        help=f"numerics of every model, the target alone included: {' or '.join(quantize.METHODS)}, "
-                             "or several (none,int8): each runs every variant, side by side")
+                        help="numerics of every model, the target alone included: none or int8, or both "
+                             "(none,int8): each runs every variant, side by side")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     return parser
 
@@ -499,7 +499,7 @@ class Setup:
             return run_hf(variant, index, self.target, ids, args.max_new_tokens, assistant=self.draft)
         if variant == "inprocess":
             return run_inprocess(index, self.target_engine, self.proposer, ids, args.max_new_tokens, args.k, self.eos)
-        k = None if variant in ("adaptive", "hybrid") else args.k  # the hybrid as it deploys: K chosen per round
+        k = None if variant == "adaptive" else args.k
         return run_grpc(variant, index, self.stubs[variant], ids, args.max_new_tokens, k)
 
 
@@ -512,7 +512,7 @@ def run(args) -> dict:
     if "target" not in variants:
         variants.insert(0, "target")  # every variant is checked against it
     numerics = [q.strip() for q in args.quantize.split(",") if q.strip()]
-    if not numerics or set(numerics) - set(quantize.METHODS):
+    if not numerics or set(numerics) - {"none", "int8"}:
         raise SystemExit(f"--quantize: a list of {', '.join(quantize.METHODS)}, got {args.quantize!r}")
     prompts = read_prompts(args.prompts)
     setups = [Setup(args, q, device, variants) for q in numerics]
@@ -530,7 +530,7 @@ def run(args) -> dict:
             for setup in setups:
                 run_hf("target", -1, setup.target, warm, 4)
                 for name, stub in setup.stubs.items():
-                    run_grpc(name, -1, stub, warm, 4, None if name in ("adaptive", "hybrid") else args.k)
+                    run_grpc(name, -1, stub, warm, 4, None if name == "adaptive" else args.k)
             runs = []
             for repeat in range(args.repeats):
                 for index, (prompt, ids) in enumerate(zip(prompts, encoded)):

@@ -31,6 +31,7 @@ from transformers import AttentionInterface
 
 from specdec.errors import NeedsResync, Overloaded, RESYNC_DETAIL
 from specdec.kv import KVPool, PagedSequence
+from specdec.quantize import attention_dtype
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Plan:
     pool: KVPool
     write_slots: torch.Tensor  # [T] pool slot of each new token
     groups: list[Group]
+    dtype: torch.dtype  # attention computes in it (float64 for an int8 model: see specdec.quantize)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, specdec_plan=None,
@@ -78,17 +80,17 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_pool, v_pool = plan.pool.k[layer], plan.pool.v[layer]
     k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
-    queries = query[0].transpose(0, 1)  # [T, heads, d]
+    queries = query[0].transpose(0, 1).to(plan.dtype)  # [T, heads, d]
     out = torch.empty_like(queries)
     for g in plan.groups:
-        k = k_pool[g.read_slots].transpose(1, 2).to(queries.dtype)  # [b, kv_heads, L, d]
-        v = v_pool[g.read_slots].transpose(1, 2).to(queries.dtype)
+        k = k_pool[g.read_slots].transpose(1, 2).to(plan.dtype)  # [b, kv_heads, L, d]
+        v = v_pool[g.read_slots].transpose(1, 2).to(plan.dtype)
         q = queries[g.q_index].transpose(1, 2)  # [b, heads, Q, d]
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling,
                                                              enable_gqa=True)
         b, heads, width, d = o.shape
         out.index_copy_(0, g.packed, o.transpose(1, 2).reshape(b * width, heads, d)[g.flat])
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0).to(query.dtype), None
 
 
 AttentionInterface.register(ATTENTION, paged_attention)
@@ -139,12 +141,13 @@ class Engine:
     """Runs one model for all sessions of a service; see the module docstring."""
 
     def __init__(self, model, kv_cache_bytes: int, max_batch_rows: int = 64, max_batch_tokens: int = 256,
-                 max_waiting: int = 64, block_size: int = 16, gather: float = 0.25):
+                 max_waiting: int = 64, block_size: int = 16, gather: float = 0.25, threads: int = 0):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be >= 1")
         check_supported(model)
         model.set_attn_implementation(ATTENTION)
         self.model, self.device = model, model.device
+        self.attention_dtype = attention_dtype(model, model.dtype)
         self.pool = KVPool(model.config, kv_cache_bytes, model.dtype, model.device, block_size)
         self.max_batch_rows, self.max_batch_tokens, self.max_waiting = max_batch_rows, max_batch_tokens, max_waiting
         self.short = max(1, max_batch_tokens // 4)  # rows this short go whole: a round, not a prefill
@@ -155,6 +158,7 @@ class Engine:
         self.holders: set[PagedSequence] = set()  # sessions holding blocks
         self.stopped = False
         self.gather, self.pass_seconds = gather, 0.0
+        self.threads = threads  # intra-op threads of a pass (0: torch's default)
         # Totals, for the benchmark and the logs.
         self.passes = self.rows = self.tokens = self.evictions = 0
         self.busy_s = 0.0
@@ -243,6 +247,8 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.threads:
+            torch.set_num_threads(self.threads)
         coming: set[PagedSequence] = set()  # sessions of the last pass that said they would be back
         while True:
             with self.cond:
@@ -360,7 +366,7 @@ class Engine:
         placed = list(zip(batch, offsets))
         short = [p for p in placed if p[0].n <= self.short]
         groups = [self._group(g) for g in ([short] if short else []) + [[p] for p in placed if p[0].n > self.short]]
-        plan = Plan(self.pool, torch.cat(writes), groups)
+        plan = Plan(self.pool, torch.cat(writes), groups, self.attention_dtype)
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([ids], device=device),
                              position_ids=torch.tensor([positions], device=device),

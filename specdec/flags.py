@@ -51,8 +51,12 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
     """Flags of the services that load a model and keep sessions (drafter, verifier)."""
     add(parser, "--dtype", env=f"{prefix}_DTYPE", default="float32", choices=["float32", "float16", "bfloat16"],
         help="weights dtype")
-    add(parser, "--quantize", env=f"{prefix}_QUANTIZE", default="none", choices=["none", "int8"],
-        help="int8: int8 weights and per-row int8 activations in every linear layer (CPU only)")
+    add(parser, "--quantize", env=f"{prefix}_QUANTIZE", default="none", choices=["none", "int8", "auto"],
+        help="int8: int8 weights and per-row int8 activations in every linear layer (CPU only); "
+             "auto: int8 on a CPU, none elsewhere")
+    add(parser, "--threads", env=f"{prefix}_THREADS", type=int, default=0,
+        help="CPU threads of a forward pass (0: one per core). Services that share cores run faster with "
+             "fewer: a pass's threads wait at every operation for the slowest, and a core lent elsewhere stalls it")
     add(parser, "--device", env=f"{prefix}_DEVICE", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     add(parser, "--max-sessions", env=f"{prefix}_MAX_SESSIONS", type=int, default=256,
         help="open sessions before RESOURCE_EXHAUSTED")

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 def engine(model, args) -> Engine:
     """The model's batching engine, sized by the session-service flags (and the model
     quantized as they say: the drafter cuts its output head first)."""
-    return Engine(quantize(model, args.quantize), args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens, args.max_waiting_sessions)
+    return Engine(quantize(model, args.quantize), args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens,
+                  args.max_waiting_sessions, threads=args.threads)
 
 
 class SessionServicer:

@@ -1,6 +1,6 @@
 """`specdec up` on the embedded default target (SmolLM2-135M-Instruct from its GGUF),
 a streamed chat Generate through it, and `specdec generate` from the command line:
-greedy output identical to the target alone."""
+greedy output identical to the target alone with the same numerics (int8 on a CPU)."""
 
 import subprocess
 import sys
@@ -9,6 +9,7 @@ import pytest
 
 from cluster import chat_ids, generate, pb, reference
 from specdec import modeling
+from specdec.quantize import quantize
 from specdec.launch import free_port, health_status
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
@@ -36,7 +37,9 @@ def up():
 
 @pytest.fixture(scope="module")
 def target():
-    return modeling.load_model(modeling.DEFAULT_TARGET)
+    """The target as `specdec up` runs it on a CPU: int8 (--quantize auto)."""
+    model, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
+    return quantize(model, "int8"), tokenizer
 
 
 @pytest.mark.parametrize("question", QUESTIONS)

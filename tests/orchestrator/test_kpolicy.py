@@ -1,5 +1,7 @@
 """The per-round K choice, against costs and acceptance it is fed (no services)."""
 
+import random
+
 import pytest
 
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts, expected_tokens
@@ -105,12 +107,38 @@ def test_a_near_tie_keeps_the_target_alone(min_gain):
     """K = 1 promises ~7% more than K = 0 here: without a margin it is taken, with the
     default margin the target alone is kept (probes aside)."""
     policy = AdaptiveK(RoundCosts(), k_max=4, k_start=2, seed=0, min_gain=min_gain)
+    rng = random.Random(1)
     for r in range(400):
         k = policy.choose()
-        accepted = min(k, 1) if r % 4 == 0 else 0  # alpha ~0.25
+        accepted = min(k, 1) if rng.random() < 0.25 else 0  # alpha ~0.25
         policy.observe(k, accepted, 0.002 * k if k else None, 0.1 + 0.015 * k)
     tail = [policy.choose() for _ in range(64)]
     if min_gain:
         assert tail.count(0) >= 56, tail
     else:
         assert tail.count(1) >= 56, tail
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.17, 0.3])
+def test_poor_drafts_cost_a_fresh_deployment_almost_nothing(alpha):
+    """A fresh deployment on a CPU-like curve (each verified token +30% of a step, a draft
+    step 10% of one) and drafts that rarely pass: the first requests never run a long
+    round, and commit tokens at >= 97% of the rate of K = 0 (the learning rounds and the
+    probes are all they pay). The first rounds used to try K = 4."""
+    costs, rng = RoundCosts(), random.Random(0)
+    step = 0.05
+    for request in range(3):
+        policy = AdaptiveK(costs, k_max=8, k_start=4, seed=request)
+        tokens, seconds = 0, 0.0
+        while tokens < 64:
+            k = policy.choose()
+            assert k <= 1
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            draft = 0.1 * step * k if k else None
+            pass_s = step * (1 + 0.3 * k)
+            policy.observe(k, accepted, draft, pass_s + 0.002, BatchPass(rows=1, tokens=k + 1, seconds=pass_s))
+            tokens += accepted + 1
+            seconds += (draft or 0.0) + pass_s + 0.002
+        assert tokens / seconds >= 0.97 / (step + 0.002), (request, tokens / seconds * (step + 0.002))
