@@ -461,11 +461,14 @@ class Setup:
         # head; our drafter cuts it to the draft vocabulary, as the drafter service does.
         self.draft = load(args.draft)[0]
         proposer_model, _, output_ids = load(args.draft, head_cut=True)
-        self.proposer = ModelProposer(Engine(proposer_model, IN_PROCESS_KV_BYTES), self.tokenizer, args.draft,
-                                      output_ids=output_ids)
+        # The in-process engines take the threads `specdec up` gives the services: with a
+        # thread per core they would also slow `generate` on this process's main thread
+        # (two thread pools of one process on the same cores).
+        self.proposer = ModelProposer(Engine(proposer_model, IN_PROCESS_KV_BYTES, threads=launch.DRAFTER_THREADS),
+                                      self.tokenizer, args.draft, output_ids=output_ids)
         # The in-process round runs the target through the engine the verifier uses, which
         # makes the model its own: `generate` gets another copy.
-        self.target_engine = Engine(load(args.target)[0], IN_PROCESS_KV_BYTES)
+        self.target_engine = Engine(load(args.target)[0], IN_PROCESS_KV_BYTES, threads=launch.VERIFIER_THREADS)
         self.eos = modeling.eos_token_ids(self.target, self.tokenizer)
         flags = ["--quantize", numerics]
 

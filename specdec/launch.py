@@ -36,6 +36,10 @@ class Service:
         return f"{HOST}:{self.port}"
 
 
+# Threads of a pass when all services share this machine (see `plan`).
+VERIFIER_THREADS, DRAFTER_THREADS = max(1, (os.cpu_count() or 2) // 2), 1
+
+
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
          device: str = "cpu", overlap: bool = False, verifier_flags: list[str] = (),
          drafter_flags: list[str] = ()) -> list[Service]:
@@ -48,12 +52,12 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
     verifier = Service("verifier", free_port(), [])
     verifier.argv = [*python, "verifier_service", "--host", HOST, "--port", str(verifier.port),
                      "--model", target, "--dtype", dtype, "--device", device,
-                     "--threads", str(max(1, (os.cpu_count() or 2) // 2)), *verifier_flags]
+                     "--threads", str(VERIFIER_THREADS), *verifier_flags]
     drafters = []
     for i in range(num_drafters):
         d = Service(f"drafter-{i}", free_port(), [])
         proposer = ["--proposer", "ngram"] if draft == "ngram" else [  # the model's proposer: drafter_flags
-            "--model", draft, "--dtype", dtype, "--device", device, "--threads", "1"]
+            "--model", draft, "--dtype", dtype, "--device", device, "--threads", str(DRAFTER_THREADS)]
         d.argv = [*python, "drafter_service", "--host", HOST, "--port", str(d.port), *proposer, *drafter_flags]
         drafters.append(d)
     orchestrator = Service("orchestrator", port, [])
