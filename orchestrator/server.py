@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--tokenizer", env="SPECDEC_ORCHESTRATOR_TOKENIZER", default=modeling.DEFAULT_TARGET,
         help="the target's tokenizer (a model directory, hub id or .gguf file)")
     add(parser, "--num-speculative-tokens", env="SPECDEC_NUM_SPECULATIVE_TOKENS", type=int, default=4,
-        help="K to start from for a request that sets none; its K then adapts per round")
+        help="the long K a fresh deployment tries once K = 1 has paid; a request's K then adapts per round")
     add(parser, "--adaptive-max-speculative-tokens", env="SPECDEC_ADAPTIVE_MAX_SPECULATIVE_TOKENS", type=int,
         default=8, help="largest K the per-round choice considers")
     add(parser, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
