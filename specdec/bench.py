@@ -137,7 +137,8 @@ def run_hf(variant: str, index: int, target, ids: list[int], max_new_tokens: int
     clock = _Clock()
     device = target.device
     out = target.generate(torch.tensor([ids], device=device),
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device), do_sample=False, max_new_tokens=max_new_tokens, streamer=clock,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                          do_sample=False, max_new_tokens=max_new_tokens, streamer=clock,
                           assistant_model=assistant)
     wall = time.perf_counter() - clock.started
     return Run(variant, index, out[0, len(ids):].tolist(), wall, clock.arrivals)

@@ -271,7 +271,8 @@ def run(args) -> dict:
     single = cells[levels[0]]["target"]["tokens_per_s"] / levels[0]  # per stream, at the lowest concurrency
     meta = {"target": args.target, "draft": args.draft, "num_drafters": args.num_drafters, "k": args.k,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": args.device,
-            "dtype": args.dtype, "quantize": args.quantize, "single_target_tokens_per_s": single, "command": " ".join(sys.argv)}
+            "dtype": args.dtype, "quantize": args.quantize, "single_target_tokens_per_s": single,
+            "command": " ".join(sys.argv)}
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta, "cells": {str(c): v for c, v in cells.items()}}
     (args.out / "bench-load.json").write_text(json.dumps(report, indent=1) + "\n")

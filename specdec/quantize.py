@@ -76,7 +76,8 @@ def quantize(model, method: str):
     if method == "none":
         return model
     if model.device.type != "cpu":
-        raise ValueError(f"--quantize int8 is the CPU path; the model is on {model.device} (use --dtype bfloat16 there)")
+        raise ValueError(f"--quantize int8 is the CPU path; the model is on {model.device} "
+                         "(use --dtype bfloat16 there)")
     head = model.get_output_embeddings()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -141,4 +141,5 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-__all__ = ["as_tested", "Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2", "verifier_pb2", "reference", "Stream", "cases", "chat_ids"]
+__all__ = ["as_tested", "Cluster", "generate", "verifier", "drafter", "orchestrator", "pb", "drafter_pb2",
+           "verifier_pb2", "reference", "Stream", "cases", "chat_ids"]

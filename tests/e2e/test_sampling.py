@@ -44,7 +44,8 @@ def exact_outcomes(model, params: common_pb2.SamplingParams, depth: int) -> dict
 
     def walk(prefix: tuple, prob: float):
         with torch.no_grad():
-            p = sampling.probs(model(torch.tensor([PROMPT + list(prefix)], device=model.device)).logits[0, -1], params).double()
+            logits = model(torch.tensor([PROMPT + list(prefix)], device=model.device)).logits[0, -1]
+            p = sampling.probs(logits, params).double()
         for token in torch.nonzero(p).flatten().tolist():
             out = prefix + (token,)
             if token == EOS or len(out) == depth:

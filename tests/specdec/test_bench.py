@@ -54,4 +54,5 @@ def test_prompt_file_categories(tmp_path, smol_tokenizer):
         ("prompts", "no category yet", False), ("code", "Fix this:\n  x = 1", False), ("text", "Once upon", True)]
     assert prompts[2].encode(smol_tokenizer) == smol_tokenizer("Once upon")["input_ids"]
     chat = prompts[1].encode(smol_tokenizer)
-    assert smol_tokenizer.decode(chat).count("<|im_start|>") >= 2 and "Fix this:\n  x = 1" in smol_tokenizer.decode(chat)
+    decoded = smol_tokenizer.decode(chat)
+    assert decoded.count("<|im_start|>") >= 2 and "Fix this:\n  x = 1" in decoded
