@@ -42,8 +42,7 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
             check_length("new_tokens", request.start + len(request.new_tokens), self.info)
             session = self.store.get(request.session_id, request.start)
-            async with session.lock:  # a cancelled call's last step is over before the next call syncs
-                seq = session.state
+            async with self.model_work(session) as seq:  # a cancelled call's last step ends before the next syncs
                 seq.sync(request.start, list(request.new_tokens))
                 k = min(k, self.info.max_positions - len(seq.tokens))
                 async for token, q in self.proposer.propose(seq, k, request.sampling):
@@ -108,6 +107,7 @@ async def serve(args, on_listen=None) -> None:
         register=lambda s: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, s),
         load=load,
         on_listen=on_listen,
+        grace_s=args.shutdown_grace,
         background=[lambda: servicer.store.reap_forever()],
     )
 

@@ -9,11 +9,11 @@ import math
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
-from specdec import flags, modeling, server
+from specdec import flags, modeling, sampling, server
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Overloaded, Precondition, ServiceError, Unavailable, abort
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
@@ -22,12 +22,13 @@ from orchestrator import discovery
 from orchestrator.autoscale import Autoscaler, Policy
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair, wait_for_info
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
-from orchestrator.speculation import DrafterLink, Stats, VerifierLink, speculate
+from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink, speculate
 from orchestrator.text import TextStream
 
 log = logging.getLogger("orchestrator")
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters; the text stream holds back up to this much
 PLACEMENT_WAIT_S = 20.0  # how long ScaleDrafters waits to tell placed replicas from pending ones
 MAX_REQUEST_ID = 128
 CHAT_ROLES = ("system", "user", "assistant")
@@ -49,7 +50,7 @@ class Limits:
 @dataclass
 class Request:
     """A validated GenerateRequest."""
-    id: str
+    label: str  # the client's request_id (or one made for it): logs and the Result only
     prompt: list[int]
     max_new_tokens: int
     k: int | None  # None: chosen per round
@@ -57,12 +58,22 @@ class Request:
     stop: list[str]
 
 
+@dataclass
+class Flight:
+    """A request in flight, as ListRequests shows it."""
+    label: str
+    session_id: str
+    drafter: DrafterLink
+    text: TextStream
+    started: float = field(default_factory=time.monotonic)
+
+
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def __init__(self, limits: Limits):
         self.limits = limits
         self.costs = RoundCosts()  # what rounds cost here, learnt from every request
         self.tokenizer = None
-        self.in_flight: set[str] = set()
+        self.in_flight: dict[str, Flight] = {}  # by session id
         self.closing: set[asyncio.Task] = set()
 
     def ready(self, tokenizer, verifier_stub, verifier_info: common_pb2.ModelInfo, pool: DrafterPool) -> None:
@@ -83,8 +94,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument("max_new_tokens", f"the prompt ({len(prompt)} tokens) plus {max_new} new tokens "
                                                     f"exceeds the model's {self.info.max_positions} positions")
         temperature = r.temperature if r.HasField("temperature") else 0.0
-        if not math.isfinite(temperature) or temperature < 0:
-            raise InvalidArgument("temperature", f"must be a finite number >= 0, got {temperature}")
+        sampling.check_temperature("temperature", temperature)
         top_p = r.top_p if r.HasField("top_p") else 1.0
         if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
             raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
@@ -93,8 +103,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         k = r.num_speculative_tokens if r.HasField("num_speculative_tokens") else None  # None: adaptive
         if k is not None and not 0 <= k <= limits.max_k:
             raise InvalidArgument("num_speculative_tokens", f"must be in [0, {limits.max_k}], got {k}")
-        if len(r.stop) > MAX_STOP_STRINGS or any(not s for s in r.stop):
-            raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
+        if len(r.stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_LENGTH for s in r.stop):
+            raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                                          f"{MAX_STOP_LENGTH} characters")
         seed = r.seed if r.HasField("seed") else random.getrandbits(63)
         params = common_pb2.SamplingParams(temperature=temperature, top_k=r.top_k, top_p=top_p, seed=seed)
         return Request(r.request_id or uuid.uuid4().hex, prompt, max_new, k, params, list(r.stop))
@@ -149,18 +160,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             if len(self.in_flight) >= self.limits.max_concurrent_requests:
                 raise Overloaded(f"{len(self.in_flight)} requests in flight, the limit is "
                                  f"{self.limits.max_concurrent_requests}")
-            if req.id in self.in_flight:
-                raise InvalidArgument("request_id", f"{req.id!r} is already in flight")
         except ServiceError as err:
             await abort(context, err)
-        log.info("[%s] start: %d prompt tokens, max_new_tokens=%d, K=%s, temperature=%g",
-                 req.id, len(req.prompt), req.max_new_tokens, "adaptive" if req.k is None else req.k,
-                 req.params.temperature)
-        self.in_flight.add(req.id)
+        # The request's identity on the services is minted here, never taken from the
+        # client: two requests with one label (two orchestrators, a reused id) share nothing.
+        session_id = uuid.uuid4().hex
+        log.info("[%s] start: session %s, %d prompt tokens, max_new_tokens=%d, K=%s, temperature=%g",
+                 req.label, session_id, len(req.prompt), req.max_new_tokens,
+                 "adaptive" if req.k is None else req.k, req.params.temperature)
         stats = Stats()
-        verifier = VerifierLink(self.verifier, req.id, req.params, stats, self.limits.verifier_timeout_s)
-        drafter = DrafterLink(self.pool, req.id, req.params, stats, self.limits.drafter_timeout_s)
+        deadline = Deadline(context.time_remaining())
+        verifier = VerifierLink(self.verifier, session_id, req.params, stats, self.limits.verifier_timeout_s,
+                                deadline=deadline)
+        drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
+                              deadline=deadline)
         text = TextStream(self.tokenizer, req.stop)
+        self.in_flight[session_id] = Flight(req.label, session_id, drafter, text)
         try:
             policy = FixedK(req.k) if req.k is not None else AdaptiveK(
                 self.costs, self.limits.adaptive_max_k, self.limits.default_k)
@@ -177,31 +192,32 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
             yield pb.GenerateResponse(result=self.result(req, text, stats))
             log.info("[%s] done: %d tokens in %d rounds (by drafts: %s), acceptance %.2f, %d resyncs, %d drafter "
-                     "failovers", req.id, len(text.ids), stats.rounds, dict(sorted(stats.rounds_by_k.items())),
+                     "failovers", req.label, len(text.ids), stats.rounds, dict(sorted(stats.rounds_by_k.items())),
                      _rate(stats), stats.resyncs, stats.drafter_failovers)
             if req.k is None:
-                log.debug("[%s] costs: %s", req.id, self.costs.describe())
+                log.debug("[%s] costs: %s", req.label, self.costs.describe())
         except grpc.aio.AioRpcError as err:
-            log.error("[%s] verifier failed: %s %s", req.id, err.code().name, err.details())
-            # Bad input and a full verifier keep their codes: the client should not retry the
-            # first, and should back off on the second.
-            passed_on = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            log.error("[%s] a service call failed: %s %s", req.label, err.code().name, err.details())
+            # Bad input, a full verifier and a passed deadline keep their codes: the client
+            # should not retry the first, should back off on the second, and knows the third.
+            passed_on = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
             code = err.code() if err.code() in passed_on else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, f"verifier: {err.details()}")
+            await context.abort(code, f"a service call failed: {err.details()}")
         finally:
-            self.in_flight.discard(req.id)
+            del self.in_flight[session_id]
             # Release both sessions even when the client cancelled this call.
-            task = asyncio.ensure_future(self.close_sessions(req.id, drafter, verifier))
+            task = asyncio.ensure_future(self.close_sessions(req.label, drafter, verifier))
             self.closing.add(task)
             task.add_done_callback(self.closing.discard)
 
-    async def close_sessions(self, request_id: str, drafter: DrafterLink, verifier: VerifierLink) -> None:
+    async def close_sessions(self, label: str, drafter: DrafterLink, verifier: VerifierLink) -> None:
         for link in (drafter, verifier):
             try:
                 await link.close()
             except grpc.aio.AioRpcError as err:
-                log.warning("[%s] closing a session failed: %s (the idle timeout will release it)",
-                            request_id, err.code().name)
+                log.warning("[%s] closing session %s failed: %s (the idle timeout will release it)",
+                            label, link.session_id, err.code().name)
 
     def result(self, req: Request, text: TextStream, stats: Stats) -> pb.Result:
         if text.stop_hit is not None or (text.ids and text.ids[-1] in self.eos):
@@ -209,7 +225,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         else:
             finish = pb.FINISH_REASON_LENGTH
         return pb.Result(
-            request_id=req.id, token_ids=text.ids, text=text.text, finish_reason=finish,
+            request_id=req.label, token_ids=text.ids, text=text.text, finish_reason=finish,
             stop_sequence=text.stop_hit or "",
             usage=pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(text.ids)),
             stats=pb.SpeculationStats(
@@ -222,7 +238,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
 
 class AdminServicer(orchestrator_pb2_grpc.OrchestratorAdminServiceServicer):
-    def __init__(self):
+    def __init__(self, requests: OrchestratorServicer):
+        self.requests = requests
         self.pool: DrafterPool | None = None
         self.source = None
         self.autoscaler: Autoscaler | None = None
@@ -259,6 +276,15 @@ class AdminServicer(orchestrator_pb2_grpc.OrchestratorAdminServiceServicer):
             last_scaling_decision=self.autoscaler.last_decision if self.autoscaler else "")
 
 
+    async def ListRequests(self, request, context):
+        now = time.monotonic()
+        return pb.ListRequestsResponse(requests=[
+            pb.RequestInFlight(request_id=f.label, session_id=f.session_id,
+                               drafter=f.drafter.replica.address if f.drafter.replica else "",
+                               generated_tokens=len(f.text.ids), elapsed_seconds=now - f.started)
+            for f in list(self.requests.in_flight.values())])
+
+
 def drafter_source(args):
     if args.drafter_ray:
         return discovery.RaySource(args.drafter_ray, args.ray_namespace, args.ray_address)
@@ -285,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-orchestrator", description=__doc__)
     flags.add_server_flags(parser, "SPECDEC_ORCHESTRATOR", default_port=50051)
     add = flags.add
+    add(parser, "--admin-host", env="SPECDEC_ORCHESTRATOR_ADMIN_HOST", default="127.0.0.1",
+        help="address the admin service (scaling, drafter and request listings) binds; loopback keeps it "
+             "off the network")
+    add(parser, "--admin-port", env="SPECDEC_ORCHESTRATOR_ADMIN_PORT", type=int, default=50050,
+        help="the admin service's port (0: any free port)")
     add(parser, "--verifier", env="SPECDEC_VERIFIER_ADDRESS", default="127.0.0.1:50053", help="verifier host:port")
     add(parser, "--drafters", env="SPECDEC_DRAFTER_ADDRESSES", default="127.0.0.1:50052",
         help="comma-separated drafter replica host:port list (empty: the target alone)")
@@ -337,7 +368,7 @@ async def serve(args, on_listen=None) -> None:
                     args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests,
                     args.drafter_timeout, args.verifier_timeout, args.overlap)
     servicer = OrchestratorServicer(limits)
-    admin = AdminServicer()
+    admin = AdminServicer(servicer)
 
     async def load():
         tokenizer = await asyncio.to_thread(modeling.load_tokenizer, args.tokenizer)
@@ -373,12 +404,14 @@ async def serve(args, on_listen=None) -> None:
 
     await server.serve(
         name="orchestrator", host=args.host, port=args.port,
-        service_names=[pb.DESCRIPTOR.services_by_name[name].full_name
-                       for name in ("OrchestratorService", "OrchestratorAdminService")],
-        register=lambda s: (orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(servicer, s),
-                            orchestrator_pb2_grpc.add_OrchestratorAdminServiceServicer_to_server(admin, s)),
+        service_names=[pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name],
+        register=lambda s: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(servicer, s),
+        admin=server.Listener(
+            args.admin_host, args.admin_port, [pb.DESCRIPTOR.services_by_name["OrchestratorAdminService"].full_name],
+            lambda s: orchestrator_pb2_grpc.add_OrchestratorAdminServiceServicer_to_server(admin, s)),
         load=load,
         on_listen=on_listen,
+        grace_s=args.shutdown_grace,
         background=[follow_drafters, autoscale],
     )
 

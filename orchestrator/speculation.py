@@ -15,13 +15,33 @@ import grpc
 
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
+from specdec.errors import needs_resync
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.pool import DrafterPool, Replica
 
 log = logging.getLogger("orchestrator")
 
-RESYNC = grpc.StatusCode.FAILED_PRECONDITION
+# Drafter errors that say the replica is in trouble (the pool retries it later), as
+# opposed to errors about this request alone.
+REPLICA_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
+
+
+class Deadline:
+    """What is left of the client's deadline: no call downstream waits longer (the
+    service's own limit still caps each call)."""
+
+    def __init__(self, seconds: float | None):
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    def timeout(self, limit_s: float) -> float:
+        if self.at is None:
+            return limit_s
+        return max(0.001, min(limit_s, self.at - time.monotonic()))
+
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
 
 
 @dataclass
@@ -59,9 +79,10 @@ class VerifierLink:
     that stays unreachable fails the request after `retries` tries."""
 
     def __init__(self, stub: verifier_pb2_grpc.VerifierServiceStub, session_id: str,
-                 params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retries: int = 3):
+                 params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retries: int = 3,
+                 deadline: Deadline = Deadline(None)):
         self.stub, self.session_id, self.params, self.stats = stub, session_id, params, stats
-        self.timeout_s, self.retries = timeout_s, retries
+        self.timeout_s, self.retries, self.deadline = timeout_s, retries, deadline
         self.synced = 0  # committed tokens the verifier is known to hold
 
     async def verify(self, history: list[int], drafts: list[int],
@@ -73,9 +94,9 @@ class VerifierLink:
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
                 draft_tokens=drafts, draft_probs=qs, sampling=self.params)
             try:
-                response = await self.stub.Verify(request, timeout=self.timeout_s)
+                response = await self.stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s))
             except grpc.aio.AioRpcError as err:
-                if err.code() == RESYNC and self.synced > 0:
+                if needs_resync(err.code(), err.details()) and self.synced > 0:
                     log.info("[%s] verifier resync: %s", self.session_id, err.details())
                     self.synced = 0
                     self.stats.resyncs += 1
@@ -97,11 +118,12 @@ class DrafterLink:
     another (which resyncs); with none left the rounds go on without drafts."""
 
     def __init__(self, pool: DrafterPool, session_id: str, params: common_pb2.SamplingParams, stats: Stats,
-                 timeout_s: float):
+                 timeout_s: float, deadline: Deadline = Deadline(None)):
         self.pool, self.session_id, self.params, self.stats = pool, session_id, params, stats
-        self.timeout_s = timeout_s
+        self.timeout_s, self.deadline = timeout_s, deadline
         self.replica: Replica | None = None
         self.synced = 0
+        self.refused = False  # a replica refused this request: it goes on without drafts
 
     async def propose(self, history: list[int], k: int, committed: int | None = None
                       ) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
@@ -114,7 +136,7 @@ class DrafterLink:
                 await self.close()
             except grpc.aio.AioRpcError:
                 pass  # it may be gone already; its idle timeout releases the session
-        while True:
+        while not self.refused:
             if self.replica is None:
                 self.replica = await self.pool.acquire()
                 self.synced = 0
@@ -123,12 +145,22 @@ class DrafterLink:
             try:
                 return await self._propose(history, k, len(history) if committed is None else committed)
             except grpc.aio.AioRpcError as err:
-                log.warning("[%s] drafter %s failed: %s; moving on", self.session_id, self.replica.address,
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline.passed():
+                    raise  # the client's deadline, not the replica's fault
+                replica, self.replica = self.replica, None
+                self.pool.release(replica)
+                if err.code() not in REPLICA_DOWN:
+                    # About this request alone (an argument the drafter refuses): the
+                    # replica stays in service for the others, this request goes on undrafted.
+                    log.error("[%s] drafter %s refused the request: %s %s; going on without drafts",
+                              self.session_id, replica.address, err.code().name, err.details())
+                    self.refused = True
+                    break
+                log.warning("[%s] drafter %s failed: %s; moving on", self.session_id, replica.address,
                             err.code().name)
-                self.pool.mark_down(self.replica, err)
-                self.pool.release(self.replica)
-                self.replica = None
+                self.pool.mark_down(replica, err)
                 self.stats.drafter_failovers += 1
+        return [], []
 
     async def _propose(self, history: list[int], k: int, committed: int):
         while True:
@@ -137,12 +169,12 @@ class DrafterLink:
                 num_draft_tokens=k, sampling=self.params)
             drafts, qs = [], []
             try:
-                async for draft in self.replica.stub.Propose(request, timeout=self.timeout_s):
+                async for draft in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s)):
                     drafts.append(draft.token_id)
                     if draft.HasField("q"):
                         qs.append(draft.q)
             except grpc.aio.AioRpcError as err:
-                if err.code() == RESYNC and self.synced > 0:
+                if needs_resync(err.code(), err.details()) and self.synced > 0:
                     log.info("[%s] drafter resync: %s", self.session_id, err.details())
                     self.synced = 0
                     self.stats.resyncs += 1

@@ -83,13 +83,14 @@ def ray_command(args) -> int:
                 orchestrator_cpus=args.orchestrator_cpus, dtype=args.dtype, device=args.device,
                 verifier_flags=verifier_flags, drafter_flags=drafter_flags,
                 orchestrator_flags=["--overlap" if args.overlap else "--no-overlap"], autoscale=autoscale,
+                admin_port=args.admin_port,
                 startup_timeout_s=args.startup_timeout)
         except (launcher.PlacementError, TimeoutError) as err:
             print(f"specdec ray up: {err}", file=sys.stderr, flush=True)
             ray.shutdown()
             return 2
-        print(f"specdec is up: Generate at {deployment.address} (on Ray, in {time.monotonic() - started:.1f} s)",
-              flush=True)
+        print(f"specdec is up: Generate at {deployment.address} (on Ray, in {time.monotonic() - started:.1f} s; "
+              f"admin at {deployment.admin_address} on the orchestrator's node)", flush=True)
         stop = []
         # Handlers of our own: a process started in the background inherits SIGINT ignored,
         # and Python then raises no KeyboardInterrupt.
@@ -101,7 +102,7 @@ def ray_command(args) -> int:
         deployment.down()
         ray.shutdown()  # a local Ray goes with it; on a cluster this only disconnects
         return 0
-    with grpc.insecure_channel(args.orchestrator) as channel:
+    with grpc.insecure_channel(args.admin) as channel:
         admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel)
         try:
             if args.ray_command == "scale-drafters":
@@ -142,6 +143,8 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
               help="sessions one forward pass of the verifier or a drafter may run (1: no batching)")
     flags.add(p, "--startup-timeout", env="SPECDEC_STARTUP_TIMEOUT", type=float, default=600.0,
               help="seconds to wait for every service to serve")
+    flags.add(p, "--admin-port", env="SPECDEC_ADMIN_PORT", type=int, default=50050,
+              help="the orchestrator's admin port, on loopback of its machine")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("replicas", type=int)
     rl = ray_sub.add_parser("drafters", help="list the drafter replicas and their load")
     for p in (rs, rl):
-        flags.add(p, "--orchestrator", env="SPECDEC_ADDRESS", default="127.0.0.1:50051",
-                  help="the orchestrator's host:port")
+        flags.add(p, "--admin", env="SPECDEC_ADMIN_ADDRESS", default="127.0.0.1:50050",
+                  help="host:port of the orchestrator's admin service (loopback on the orchestrator's machine)")
 
     from specdec import bench, bench_load
 

@@ -37,7 +37,21 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Internal(ServiceError):
+    """The service failed at its own work (a forward pass that raised, out of memory)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 RESYNC_DETAIL = "resync: resend the session from start=0"
+
+
+def needs_resync(code: grpc.StatusCode, details: str | None) -> bool:
+    """Whether a service's error asks the caller to resend the session: FAILED_PRECONDITION
+    with the resync detail (others are preconditions of another kind), or INTERNAL, after
+    which the service has dropped the session."""
+    return code == grpc.StatusCode.INTERNAL or (
+        code == grpc.StatusCode.FAILED_PRECONDITION and RESYNC_DETAIL in (details or ""))
 
 
 async def abort(context, err: ServiceError):

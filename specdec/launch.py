@@ -30,10 +30,15 @@ class Service:
     port: int
     argv: list[str]
     process: subprocess.Popen | None = None
+    admin_port: int | None = None  # the orchestrator's admin service
 
     @property
     def address(self) -> str:
         return f"{HOST}:{self.port}"
+
+    @property
+    def admin_address(self) -> str:
+        return f"{HOST}:{self.admin_port}"
 
 
 # Threads of a pass when all services share this machine (see `plan`).
@@ -42,7 +47,7 @@ VERIFIER_THREADS, DRAFTER_THREADS = max(1, (os.cpu_count() or 2) // 2), 1
 
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
          device: str = "cpu", overlap: bool = False, verifier_flags: list[str] = (),
-         drafter_flags: list[str] = ()) -> list[Service]:
+         drafter_flags: list[str] = (), admin_port: int = 50050) -> list[Service]:
     """The processes of one deployment; `draft` is "ngram" or a draft model. They share
     this machine's cores: the verifier's passes get half of them, each drafter's one (a
     pass's threads wait for each other at every operation, so a thread whose core is
@@ -60,8 +65,8 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
             "--model", draft, "--dtype", dtype, "--device", device, "--threads", str(DRAFTER_THREADS)]
         d.argv = [*python, "drafter_service", "--host", HOST, "--port", str(d.port), *proposer, *drafter_flags]
         drafters.append(d)
-    orchestrator = Service("orchestrator", port, [])
-    orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port),
+    orchestrator = Service("orchestrator", port, [], admin_port=admin_port)
+    orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port), "--admin-port", str(admin_port),
                          "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
                          "--tokenizer", target, "--overlap" if overlap else "--no-overlap"]
     return [verifier, *drafters, orchestrator]
@@ -123,7 +128,8 @@ def service_flags(args) -> tuple[list[str], list[str]]:
 def up(args) -> int:
     verifier_flags, drafter_flags = service_flags(args)
     services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device or "cpu",
-                    args.overlap, verifier_flags=verifier_flags, drafter_flags=drafter_flags)
+                    args.overlap, verifier_flags=verifier_flags, drafter_flags=drafter_flags,
+                    admin_port=args.admin_port)
     stopping = False
 
     def on_signal(signum, frame):
@@ -138,7 +144,8 @@ def up(args) -> int:
     try:
         start(services)
         wait_serving(services, args.startup_timeout)
-        print(f"specdec is up: Generate at {services[-1].address}", flush=True)
+        print(f"specdec is up: Generate at {services[-1].address} (admin: {services[-1].admin_address})",
+              flush=True)
         while not stopping:
             for service in services:
                 if service.process.poll() is not None:

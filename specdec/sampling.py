@@ -18,10 +18,19 @@ def is_greedy(params: common_pb2.SamplingParams) -> bool:
     return params.temperature == 0.0
 
 
+# Near 0, logits / temperature overflows float32 (inf, then NaN probabilities); well
+# before that, sampling is greedy in all but name.
+MIN_TEMPERATURE = 0.01
+
+
+def check_temperature(field: str, t: float) -> None:
+    if not math.isfinite(t) or not (t == 0 or t >= MIN_TEMPERATURE):
+        raise InvalidArgument(field, f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t}")
+
+
 def validate(params: common_pb2.SamplingParams, field: str = "sampling") -> None:
-    t, p = params.temperature, params.top_p
-    if math.isnan(t) or math.isinf(t) or t < 0:
-        raise InvalidArgument(f"{field}.temperature", f"must be a finite number >= 0, got {t}")
+    p = params.top_p
+    check_temperature(f"{field}.temperature", params.temperature)
     if math.isnan(p) or not 0.0 < p <= 1.0:
         raise InvalidArgument(f"{field}.top_p", f"must be in (0, 1], got {p}")
     if params.top_k < 0:

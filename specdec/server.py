@@ -2,9 +2,12 @@
 is loaded and warmed), reflection, the batching engine, and a graceful stop on SIGTERM."""
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
+import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import grpc
@@ -13,9 +16,9 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine
-from specdec.errors import Unavailable, abort
+from specdec.errors import RESYNC_DETAIL, Internal, ServiceError, Unavailable, abort
 from specdec.quantize import quantize
-from specdec.sessions import SessionStore
+from specdec.sessions import Session, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,28 @@ class SessionServicer:
         if self.info is None:
             raise Unavailable("the model is still loading")
 
+    @contextlib.asynccontextmanager
+    async def model_work(self, session: Session):
+        """Holds the session for a call's model work. A failure that is not the
+        caller's (a forward pass that raised, out of memory) drops the session: its
+        tokens and cache are in doubt, and the caller resends it from start 0."""
+        async with session.lock:
+            try:
+                yield session.state
+            except ServiceError:
+                raise
+            except Exception as err:
+                log.exception("session %s: model work failed; dropping the session", session.id)
+                self.store.close(session.id)
+                raise Internal(f"{type(err).__name__}: {err}; the session was dropped, {RESYNC_DETAIL}") from err
+
+    async def ListSessions(self, request, context):
+        now = time.monotonic()
+        sessions = list(self.store.sessions.values()) if self.store is not None else []
+        return self.pb.ListSessionsResponse(sessions=[
+            common_pb2.SessionInfo(session_id=s.id, tokens=len(s.state.tokens), idle_seconds=now - s.last_used)
+            for s in sessions])
+
     async def CloseSession(self, request, context):
         closed = self.store is not None and self.store.close(request.session_id)
         return self.pb.CloseSessionResponse(closed=closed)
@@ -55,12 +80,39 @@ class SessionServicer:
         return self.pb.GetModelInfoResponse(info=self.info)
 
 
+# The largest message a service takes or sends, stated rather than left to gRPC's
+# default: a Verify of a full 8k-token history is ~40 KB; a prompt's text may be long.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MESSAGE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+@dataclass
+class Listener:
+    """A port a service answers on, and what it serves there."""
+    host: str
+    port: int
+    service_names: list[str]
+    register: Callable[[grpc.aio.Server], None]
+
+
 def create_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """A server bound to host:port (port 0 picks a free one); returns it and its port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *MESSAGE_OPTIONS])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
+    return server, bound
+
+
+async def start_listener(name: str, listener: Listener, health_servicer) -> tuple[grpc.aio.Server, int]:
+    server, bound = create_server(listener.host, listener.port)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    listener.register(server)
+    reflection.enable_server_reflection((*listener.service_names, reflection.SERVICE_NAME, health.SERVICE_NAME),
+                                        server)
+    await server.start()
+    log.info("%s listening on %s:%d for %s", name, listener.host, bound, ", ".join(listener.service_names))
     return server, bound
 
 
@@ -73,20 +125,24 @@ async def serve(
     register: Callable[[grpc.aio.Server], None],
     load: Callable[[], Awaitable[None]],
     background: list[Callable[[], Awaitable[None]]] = (),
-    grace_s: float = 5.0,
+    grace_s: float = 30.0,
     on_listen: Callable[[int, Callable[[], None]], None] | None = None,
+    admin: Listener | None = None,
 ) -> None:
     """Starts the server at once (health answers NOT_SERVING), awaits `load`, then
-    reports SERVING; stops gracefully on SIGTERM or SIGINT. `on_listen(port, stop)`
-    tells an embedding host (a Ray actor) the bound port and a thread-safe stop."""
-    server, bound = create_server(host, port)
+    reports SERVING; on SIGTERM or SIGINT it drains: health turns NOT_SERVING, new calls
+    are refused, calls in flight get `grace_s` to finish. `on_listen(port, stop)` tells
+    an embedding host (a Ray actor) the bound port and a thread-safe stop. `admin`: a
+    second port, for the services operators call."""
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for service in ("", *service_names):
+    everything = [*service_names, *(admin.service_names if admin else [])]
+    for service in ("", *everything):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    register(server)
-    reflection.enable_server_reflection((*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    await server.start()
+    servers = []
+    server, bound = await start_listener(name, Listener(host, port, service_names, register), health_servicer)
+    servers.append(server)
+    if admin is not None:
+        servers.append((await start_listener(name, admin, health_servicer))[0])
     log.info("%s listening on %s:%d (not serving until loaded)", name, host, bound)
 
     stop = asyncio.Event()
@@ -104,7 +160,7 @@ async def serve(
         await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if loader.done():
             loader.result()  # a failed load ends the process with its error
-            for service in ("", *service_names):
+            for service in ("", *everything):
                 await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
             tasks = [asyncio.ensure_future(task()) for task in background]
             log.info("%s serving on %s:%d", name, host, bound)
@@ -112,9 +168,9 @@ async def serve(
         else:
             loader.cancel()
     finally:
-        log.info("%s stopping (grace %.0f s)", name, grace_s)
+        log.info("%s draining: calls in flight have %.0f s to finish", name, grace_s)
         await health_servicer.enter_graceful_shutdown()
         for task in tasks:
             task.cancel()
-        await server.stop(grace_s)
+        await asyncio.gather(*(s.stop(grace_s) for s in servers))
         log.info("%s stopped", name)

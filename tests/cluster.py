@@ -40,10 +40,11 @@ def drafter(model=None, name="drafter", port=None, proposer="model", extra=()) -
 
 def orchestrator(verifier: Service, drafters: list[Service], tokenizer, name="orchestrator",
                  extra=()) -> Service:
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     return Service(name, port, [*PY, "orchestrator", "--host", HOST, "--port", str(port),
-                                "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
-                                "--tokenizer", str(tokenizer), "--startup-timeout", "120", *extra])
+                                "--admin-port", str(admin_port), "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
+                                "--tokenizer", str(tokenizer), "--startup-timeout", "120", *extra],
+                   admin_port=admin_port)
 
 
 class Cluster:
@@ -72,6 +73,33 @@ class Cluster:
 
     def verifier_stub(self, service: Service):
         return verifier_pb2_grpc.VerifierServiceStub(self.channel(service))
+
+    def admin_stub(self, orchestrator: Service):
+        channel = grpc.insecure_channel(orchestrator.admin_address)
+        self.channels.append(channel)
+        return orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel)
+
+    def session_of(self, orchestrator: Service, request_id: str) -> str:
+        """The session id the orchestrator minted for the request in flight labelled request_id."""
+        listing = self.admin_stub(orchestrator).ListRequests(pb.ListRequestsRequest(), timeout=5)
+        (session,) = [r.session_id for r in listing.requests if r.request_id == request_id]
+        return session
+
+    def sessions(self, service: Service) -> set[str]:
+        """The ids of the sessions a drafter or verifier holds now."""
+        if "drafter" in service.name:
+            listing = self.drafter_stub(service).ListSessions(drafter_pb2.ListSessionsRequest(), timeout=5)
+        else:
+            listing = self.verifier_stub(service).ListSessions(verifier_pb2.ListSessionsRequest(), timeout=5)
+        return {s.session_id for s in listing.sessions}
+
+    def close_session(self, service: Service, session_id: str) -> bool:
+        """Makes a drafter or verifier forget a session (as a restart would)."""
+        if "drafter" in service.name:
+            return self.drafter_stub(service).CloseSession(drafter_pb2.CloseSessionRequest(session_id=session_id),
+                                                           timeout=5).closed
+        return self.verifier_stub(service).CloseSession(verifier_pb2.CloseSessionRequest(session_id=session_id),
+                                                        timeout=5).closed
 
     def kill(self, service: Service) -> None:
         service.process.kill()

@@ -4,7 +4,6 @@ A random pair is useful only when it is not degenerate: the target's greedy outp
 vary, and the draft must agree with it on part of the tokens so both the accept and the
 correction paths run. The draft is the target with small noise on every weight."""
 
-import json
 from pathlib import Path
 
 import torch

@@ -32,6 +32,8 @@ def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> N
         if not dist.token_ids or len(dist.token_ids) != len(dist.probs):
             raise InvalidArgument(field, "needs as many probs as token_ids, at least one")
         check_token_ids(f"{field}.token_ids", dist.token_ids, vocab_size)
+        if len(set(dist.token_ids)) != len(dist.token_ids):
+            raise InvalidArgument(f"{field}.token_ids", "lists a token id more than once")
         if any(not math.isfinite(x) or x < 0 for x in dist.probs):
             raise InvalidArgument(f"{field}.probs", "must be finite and >= 0")
         if abs(sum(dist.probs) - 1.0) > 1e-3:
@@ -57,8 +59,8 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             check_length("draft_tokens", request.start + len(request.new_tokens) + len(request.draft_tokens) + 1,
                          self.info)
             session = self.store.get(request.session_id, request.start)
-            async with session.lock:
-                a, t, done = await verify(session.state, request)
+            async with self.model_work(session) as seq:
+                a, t, done = await verify(seq, request)
             return verifier_pb2.VerifyResponse(
                 num_accepted=a, next_token=t,
                 batch_pass=verifier_pb2.BatchPass(rows=done.rows, tokens=done.tokens, seconds=done.seconds))
@@ -98,6 +100,7 @@ async def serve(args, on_listen=None) -> None:
         register=lambda s: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s),
         load=load,
         on_listen=on_listen,
+        grace_s=args.shutdown_grace,
         background=[lambda: servicer.store.reap_forever()],
     )
 

@@ -52,6 +52,7 @@ class RayDeployment:
     controller: object
     orchestrator: object
     address: str  # the orchestrator's Generate endpoint
+    admin_address: str  # its admin service, on loopback of the orchestrator's node
 
     def scale_drafters(self, replicas: int) -> int:
         return ray.get(self.controller.scale.remote(replicas))
@@ -90,11 +91,12 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
        orchestrator_cpus: float | None = None, dtype: str = "float32", device: str | None = None,
        verifier_flags: list[str] = (), drafter_flags: list[str] = (), orchestrator_flags: list[str] = (),
        refresh_s: float = 0.5, drain_s: float = 3.0, autoscale: dict | None = None, name: str = "specdec",
-       startup_timeout_s: float = 600) -> RayDeployment:
+       startup_timeout_s: float = 600, admin_port: int = 50050) -> RayDeployment:
     """Starts the deployment and returns once every service is serving. Its actors are
     named `{name}-verifier`, `{name}-drafter-controller`, `{name}-drafter-<i>`,
     `{name}-orchestrator`; on a cluster the orchestrator runs on the head node (where
-    a Kubernetes Service can reach it).
+    a Kubernetes Service can reach it), its admin service on that node's loopback at
+    `admin_port`.
 
     CPU requests left unset are `local_cpus` on a local Ray and 1 each on a cluster; a
     deployment the cluster cannot hold raises PlacementError before any actor starts.
@@ -133,7 +135,8 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
     ray.get(controller.scale.remote(num_drafters))
 
     verifier_address = ray.get(verifier.address.remote())
-    argv = ["--host", host, "--port", str(port), "--verifier", verifier_address, "--tokenizer", target,
+    argv = ["--host", host, "--port", str(port), "--admin-port", str(admin_port),
+            "--verifier", verifier_address, "--tokenizer", target,
             "--drafter-ray", controller_name, "--ray-namespace", namespace,
             "--drafter-refresh-interval", str(refresh_s), *orchestrator_flags]
     if autoscale:
@@ -146,4 +149,5 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
         resources={"node:__internal_head__": 0.001} if on_cluster else {},
     ).remote("orchestrator", argv)
     wait_serving({"verifier": verifier, "orchestrator": orchestrator}, startup_timeout_s)
-    return RayDeployment(verifier, controller, orchestrator, ray.get(orchestrator.address.remote()))
+    return RayDeployment(verifier, controller, orchestrator, ray.get(orchestrator.address.remote()),
+                         f"127.0.0.1:{admin_port}")

@@ -55,11 +55,11 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     started = time.monotonic()
-    deployment = launcher.up(args.target, args.draft, 1, port=free_port())
+    deployment = launcher.up(args.target, args.draft, 1, port=free_port(), admin_port=free_port())
     launch_s = time.monotonic() - started
-    channel = grpc.insecure_channel(deployment.address)
+    channel, admin_channel = grpc.insecure_channel(deployment.address), grpc.insecure_channel(deployment.admin_address)
     stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-    admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel)
+    admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(admin_channel)
     try:
         one = load(stub, args.clients, args.seconds, args.max_new_tokens)
         started = time.monotonic()
@@ -70,6 +70,7 @@ def main() -> None:
         three = load(stub, args.clients, args.seconds, args.max_new_tokens)
     finally:
         channel.close()
+        admin_channel.close()
         deployment.down()
         ray.shutdown()
     print(f"target {args.target}, draft {args.draft}, {args.clients} concurrent clients, "

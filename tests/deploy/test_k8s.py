@@ -88,6 +88,8 @@ def test_structure_fits_the_code(overlay):
         role = name.removeprefix("specdec-").upper()
         assert env[f"SPECDEC_{role}_PORT"] == str(port)
         assert env[f"SPECDEC_{role}_HOST"] == "0.0.0.0"
+        # SIGTERM drains calls in flight for the service's grace, and Kubernetes waits longer than that.
+        assert float(env[f"SPECDEC_{role}_SHUTDOWN_GRACE"]) < spec["template"]["spec"]["terminationGracePeriodSeconds"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == port, (name, probe)  # grpc.health.v1 on the service port
         security = c["securityContext"]
@@ -156,6 +158,7 @@ def test_cpu_overlay_commands_serve_generate(default_target):
         env = {key: local.get(value, value) for key, value in environment(c, docs).items()}
         role = service.name.removeprefix("specdec-").upper()
         env[f"SPECDEC_{role}_HOST"], env[f"SPECDEC_{role}_PORT"] = HOST, str(service.port)
+        env["SPECDEC_ORCHESTRATOR_ADMIN_PORT"] = "0"  # loopback, any free port
         service.argv = [str(Path(sys.executable).parent / c["command"][0]), *c.get("args", [])]
         envs[service.name] = {**os.environ, **env}
     try:

@@ -27,7 +27,8 @@ def deployment(tiny_pair):
              _node_ip_address="127.0.0.1")
     target_dir, draft_dir, _ = tiny_pair
     started = time.monotonic()
-    d = launcher.up(str(target_dir), str(draft_dir), 1, port=free_port(), startup_timeout_s=180)
+    d = launcher.up(str(target_dir), str(draft_dir), 1, port=free_port(), admin_port=free_port(),
+                    startup_timeout_s=180)
     print(f"launched on Ray in {time.monotonic() - started:.1f} s")
     yield d
     d.down()
@@ -36,10 +37,11 @@ def deployment(tiny_pair):
 
 @pytest.fixture(scope="module")
 def stubs(deployment):
-    channel = grpc.insecure_channel(deployment.address)
+    channel, admin = grpc.insecure_channel(deployment.address), grpc.insecure_channel(deployment.admin_address)
     yield (orchestrator_pb2_grpc.OrchestratorServiceStub(channel),
-           orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel))
+           orchestrator_pb2_grpc.OrchestratorAdminServiceStub(admin))
     channel.close()
+    admin.close()
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +123,8 @@ def test_killed_drafter_actor_comes_back(deployment, stubs, expected, tiny_pair,
 
 
 def test_cli_lists_and_scales(deployment):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "specdec", "ray", *a, "--orchestrator",
-                                     deployment.address], capture_output=True, text=True, timeout=60)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "specdec", "ray", *a, "--admin",
+                                     deployment.admin_address], capture_output=True, text=True, timeout=60)
     done = run("scale-drafters", "2")
     assert done.returncode == 0 and "drafter replicas: 2" in done.stdout, done.stderr
     done = run("drafters")
@@ -135,11 +137,12 @@ def test_autoscaler_grows_and_shrinks_the_pool(deployment, tiny_pair, expected):
     from deploy.ray import launcher
 
     target_dir, draft_dir, _ = tiny_pair
-    scaled = launcher.up(str(target_dir), str(draft_dir), 1, port=free_port(), name="autoscaled",
+    scaled = launcher.up(str(target_dir), str(draft_dir), 1, port=free_port(), admin_port=free_port(),
+                         name="autoscaled",
                          autoscale={"min": 1, "max": 3, "target_sessions": 1, "cooldown_s": 5})
-    channel = grpc.insecure_channel(scaled.address)
+    channel, admin_channel = grpc.insecure_channel(scaled.address), grpc.insecure_channel(scaled.admin_address)
     stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-    admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel)
+    admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(admin_channel)
     try:
         ids, want = expected[PROMPTS[1]]
         stop, outcomes = threading.Event(), []
@@ -169,4 +172,5 @@ def test_autoscaler_grows_and_shrinks_the_pool(deployment, tiny_pair, expected):
         assert outcomes and all(outcomes)
     finally:
         channel.close()
+        admin_channel.close()
         scaled.down()

@@ -29,10 +29,10 @@ def readme_has(command: str) -> None:
 
 @pytest.fixture
 def env():
-    port = free_port()
-    # The commands stay as written; only the port they agree on is moved off 50051.
+    port, admin = free_port(), free_port()
+    # The commands stay as written; only the ports they agree on are moved off 50051 and 50050.
     return {**os.environ, "SPECDEC_PORT": str(port), "SPECDEC_ADDRESS": f"127.0.0.1:{port}", "PYTHONUNBUFFERED": "1",
-            "RAY_ADDRESS": ""}
+            "SPECDEC_ADMIN_PORT": str(admin), "SPECDEC_ADMIN_ADDRESS": f"127.0.0.1:{admin}", "RAY_ADDRESS": ""}
 
 
 def run(args: list[str], env, timeout=180) -> subprocess.CompletedProcess:

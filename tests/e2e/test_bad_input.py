@@ -9,6 +9,7 @@ import pytest
 
 from cluster import drafter, drafter_pb2, generate, orchestrator, pb, verifier_pb2
 from specdec.common.v1 import common_pb2
+from specdec.server import MAX_MESSAGE_BYTES
 
 GREEDY = common_pb2.SamplingParams(top_p=1.0)
 VOCAB = 49152
@@ -37,6 +38,7 @@ def expect_error(call, code, field: str):
     ("temperature", dict(text="hi", temperature=-0.5)),
     ("temperature", dict(text="hi", temperature=math.nan)),
     ("temperature", dict(text="hi", temperature=math.inf)),
+    ("temperature", dict(text="hi", temperature=1e-38)),  # logits / t overflows: it used to fail as UNKNOWN
     ("top_p", dict(text="hi", top_p=0.0)),
     ("top_p", dict(text="hi", top_p=1.01)),
     ("top_p", dict(text="hi", top_p=math.nan)),
@@ -44,6 +46,7 @@ def expect_error(call, code, field: str):
     ("num_speculative_tokens", dict(text="hi", num_speculative_tokens=-1)),
     ("num_speculative_tokens", dict(text="hi", num_speculative_tokens=99)),
     ("stop", dict(text="hi", stop=[""])),
+    ("stop", dict(text="hi", stop=["x" * 257])),
     ("request_id", dict(text="hi", request_id="x" * 200)),
 ])
 def test_orchestrator_names_the_field(tiny_cluster, field, fields):
@@ -71,8 +74,12 @@ def Verify(session_id="bad-input", start=0, new_tokens=(1, 2), **kw):
         draft_tokens=[5], draft_probs=[common_pb2.SparseDistribution(token_ids=[5, 6], probs=[0.9, 0.9])])),
     (grpc.StatusCode.INVALID_ARGUMENT, "draft_probs[0]", Verify(
         draft_tokens=[5], draft_probs=[common_pb2.SparseDistribution(token_ids=[6], probs=[1.0])])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "draft_probs[0].token_ids", Verify(  # used to be merged silently
+        draft_tokens=[5], draft_probs=[common_pb2.SparseDistribution(token_ids=[5, 5], probs=[0.5, 0.5])])),
     (grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature", Verify(
         sampling=common_pb2.SamplingParams(temperature=math.nan, top_p=1.0))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature", Verify(
+        sampling=common_pb2.SamplingParams(temperature=1e-38, top_p=1.0))),
     (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p", Verify(sampling=common_pb2.SamplingParams(top_p=0.0))),
 ])
 def test_verifier_names_the_field(tiny_cluster, code, field, message):
@@ -94,10 +101,20 @@ def Propose(session_id="bad-input", start=0, new_tokens=(1, 2), k=2, **kw):
     (grpc.StatusCode.INVALID_ARGUMENT, "session_id", Propose(session_id="s" * 500)),
     (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k", Propose(
         sampling=common_pb2.SamplingParams(top_k=-1, top_p=1.0))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature", Propose(
+        sampling=common_pb2.SamplingParams(temperature=1e-38, top_p=1.0))),
 ])
 def test_drafter_names_the_field(tiny_cluster, code, field, message):
     stub = tiny_cluster.drafter_stub(tiny_cluster.roles["model-drafter"])
     expect_error(lambda: stub.Propose(message, timeout=10), code, field)
+
+
+def test_message_size_is_limited(tiny_cluster):
+    """A message over the stated limit is refused by gRPC itself, before any parsing."""
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Complete(pb.GenerateRequest(text="a" * (MAX_MESSAGE_BYTES + 1)), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_services_keep_serving_after_bad_input(tiny_cluster):
@@ -105,10 +122,8 @@ def test_services_keep_serving_after_bad_input(tiny_cluster):
     _, result = generate(stub, text="Still here?", max_new_tokens=6)
     assert result.usage.completion_tokens == 6
     # No session was left behind by the rejected calls.
-    for role, module in (("verifier", verifier_pb2), ("model-drafter", drafter_pb2)):
-        service = tiny_cluster.roles[role]
-        stub = (tiny_cluster.verifier_stub if role == "verifier" else tiny_cluster.drafter_stub)(service)
-        assert not stub.CloseSession(module.CloseSessionRequest(session_id="bad-input"), timeout=5).closed
+    for role in ("verifier", "model-drafter"):
+        assert "bad-input" not in tiny_cluster.sessions(tiny_cluster.roles[role])
 
 
 def test_refuses_a_pair_whose_vocabularies_differ(tiny_cluster, micro_pair, tiny_pair):

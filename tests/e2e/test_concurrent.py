@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster import Stream, drafter_pb2, generate, pb, reference, verifier_pb2
+from cluster import Stream, generate, pb, reference
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -80,13 +80,12 @@ def test_cancels_and_resyncs_inside_a_batch(tiny_cluster, tiny_pair, smol_tokeni
         t.start()
     for t in threads:
         t.join()
+    sessions = {i: tiny_cluster.session_of(roles["model"], f"batch-{i}") for i in range(8)}
     for i in (1, 4, 6):
         streams[i].call.cancel()
     for i in (2, 5):
-        assert tiny_cluster.verifier_stub(roles["verifier"]).CloseSession(
-            verifier_pb2.CloseSessionRequest(session_id=f"batch-{i}")).closed
-        tiny_cluster.drafter_stub(roles["model-drafter"]).CloseSession(
-            drafter_pb2.CloseSessionRequest(session_id=f"batch-{i}"))
+        assert tiny_cluster.close_session(roles["verifier"], sessions[i])
+        tiny_cluster.close_session(roles["model-drafter"], sessions[i])
     finishing = [i for i in range(8) if i not in (1, 4, 6)]
     with ThreadPoolExecutor(len(finishing)) as pool:
         results = dict(zip(finishing, pool.map(lambda i: streams[i].finish(), finishing)))
@@ -96,10 +95,8 @@ def test_cancels_and_resyncs_inside_a_batch(tiny_cluster, tiny_pair, smol_tokeni
     assert results[2].stats.resyncs >= 1 and results[5].stats.resyncs >= 1
     assert max(r.stats.mean_batch_rows for r in results.values()) > 1.2
     time.sleep(0.5)
-    for i in (1, 4, 6):
-        for service, module in ((roles["verifier"], verifier_pb2), (roles["model-drafter"], drafter_pb2)):
-            stub_ = (tiny_cluster.verifier_stub if module is verifier_pb2 else tiny_cluster.drafter_stub)(service)
-            assert not stub_.CloseSession(module.CloseSessionRequest(session_id=f"batch-{i}")).closed
+    for service in (roles["verifier"], roles["model-drafter"]):
+        assert not set(sessions.values()) & tiny_cluster.sessions(service)
 
 
 def test_sampled_outputs_do_not_depend_on_the_batch(tiny_cluster, tiny_pair, smol_tokenizer):

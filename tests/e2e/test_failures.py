@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from cluster import Stream, drafter, drafter_pb2, generate, orchestrator, pb, reference, verifier, verifier_pb2
+from cluster import Stream, drafter, generate, orchestrator, pb, reference, verifier
 
 PROMPT = "In the beginning the universe was created. This has made a lot of people very angry"
 LONG = 600
@@ -20,59 +20,72 @@ def long_case(tiny_pair, smol_tokenizer):
     return ids, want
 
 
-def session_was_released(cluster, service, session_id: str) -> bool:
-    """Closing it ourselves finds nothing to close. (Wait first: the orchestrator
+def released(cluster, session_id: str, *services) -> bool:
+    """None of the services holds the session any more. (Wait first: the orchestrator
     releases sessions right after the call ends, not before it answers.)"""
     time.sleep(0.5)
-    request_type = drafter_pb2 if "drafter" in service.name else verifier_pb2
-    stub = cluster.drafter_stub(service) if "drafter" in service.name else cluster.verifier_stub(service)
-    return not stub.CloseSession(request_type.CloseSessionRequest(session_id=session_id), timeout=5).closed
+    return not any(session_id in cluster.sessions(service) for service in services)
+
+
+def start(cluster, orchestrator, label: str, **fields) -> tuple[Stream, str]:
+    """A stream whose first chunk has come, and the session id minted for it, which both
+    services hold (K is fixed, so the drafter holds it from the first round)."""
+    stream = Stream(cluster.orchestrator_stub(orchestrator), request_id=label, num_speculative_tokens=4, **fields)
+    session = cluster.session_of(orchestrator, label)
+    roles = cluster.roles
+    assert session != label and session in cluster.sessions(roles["verifier"])
+    assert session in cluster.sessions(roles["model-drafter"])
+    return stream, session
 
 
 @pytest.mark.parametrize("role", ["model", "overlap"])
 def test_lost_sessions_resync_and_output_is_unchanged(tiny_cluster, long_case, role):
     ids, want = long_case
     roles = tiny_cluster.roles
-    stub = tiny_cluster.orchestrator_stub(roles[role])
-    session = f"lost-{role}"
-    stream = Stream(stub, request_id=session, token_ids=pb.TokenIds(ids=ids),
-                    max_new_tokens=LONG, num_speculative_tokens=4)
+    stream, session = start(tiny_cluster, roles[role], f"lost-{role}", token_ids=pb.TokenIds(ids=ids),
+                            max_new_tokens=LONG)
     # Both services forget the session mid-request (as after a restart).
-    assert tiny_cluster.drafter_stub(roles["model-drafter"]).CloseSession(
-        drafter_pb2.CloseSessionRequest(session_id=session)).closed
-    assert tiny_cluster.verifier_stub(roles["verifier"]).CloseSession(
-        verifier_pb2.CloseSessionRequest(session_id=session)).closed
+    assert tiny_cluster.close_session(roles["model-drafter"], session)
+    assert tiny_cluster.close_session(roles["verifier"], session)
     result = stream.finish()
     assert list(result.token_ids) == want
     assert result.stats.resyncs == 2
 
 
-def test_sessions_released_after_finish(tiny_cluster):
+def test_sessions_released_after_finish(tiny_cluster, long_case):
     roles = tiny_cluster.roles
-    generate(tiny_cluster.orchestrator_stub(roles["model"]), request_id="fin-1", text="Hello", max_new_tokens=8)
-    assert session_was_released(tiny_cluster, roles["model-drafter"], "fin-1")
-    assert session_was_released(tiny_cluster, roles["verifier"], "fin-1")
+    stream, session = start(tiny_cluster, roles["model"], "fin-1", token_ids=pb.TokenIds(ids=long_case[0]),
+                            max_new_tokens=40)
+    assert stream.finish().request_id == "fin-1"
+    assert released(tiny_cluster, session, roles["model-drafter"], roles["verifier"])
 
 
-def test_sessions_released_after_complete(tiny_cluster):
+def test_sessions_released_after_complete(tiny_cluster, long_case):
     roles = tiny_cluster.roles
     stub = tiny_cluster.orchestrator_stub(roles["model"])
-    stub.Complete(pb.GenerateRequest(request_id="unary-1", text="Hello", max_new_tokens=8), timeout=60)
-    assert session_was_released(tiny_cluster, roles["model-drafter"], "unary-1")
-    assert session_was_released(tiny_cluster, roles["verifier"], "unary-1")
+    call = stub.Complete.future(pb.GenerateRequest(request_id="unary-1", token_ids=pb.TokenIds(ids=long_case[0]),
+                                                   max_new_tokens=200, num_speculative_tokens=4), timeout=60)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            session = tiny_cluster.session_of(roles["model"], "unary-1")
+            break
+        except ValueError:  # not started yet
+            assert time.monotonic() < deadline and not call.done()
+            time.sleep(0.01)
+    assert list(call.result().token_ids) == long_case[1][:200]
+    assert released(tiny_cluster, session, roles["model-drafter"], roles["verifier"])
 
 
 @pytest.mark.parametrize("role", ["model", "overlap"])
 def test_sessions_released_after_client_cancel(tiny_cluster, long_case, role):
     roles = tiny_cluster.roles
-    stub = tiny_cluster.orchestrator_stub(roles[role])
-    session = f"cancel-{role}"
-    stream = Stream(stub, request_id=session, token_ids=pb.TokenIds(ids=long_case[0]), max_new_tokens=LONG)
+    stream, session = start(tiny_cluster, roles[role], f"cancel-{role}", token_ids=pb.TokenIds(ids=long_case[0]),
+                            max_new_tokens=LONG)
     stream.call.cancel()
-    assert session_was_released(tiny_cluster, roles["model-drafter"], session)
-    assert session_was_released(tiny_cluster, roles["verifier"], session)
-    # The id is free again.
-    generate(stub, request_id=session, text="Hello", max_new_tokens=4)
+    assert released(tiny_cluster, session, roles["model-drafter"], roles["verifier"])
+    # The label can be used again.
+    generate(tiny_cluster.orchestrator_stub(roles[role]), request_id=f"cancel-{role}", text="Hello", max_new_tokens=4)
 
 
 def test_sessions_released_after_stop_string(tiny_cluster, long_case, smol_tokenizer):
@@ -80,24 +93,23 @@ def test_sessions_released_after_stop_string(tiny_cluster, long_case, smol_token
     drafted ahead: that drafting stops and both sessions are released."""
     ids, want = long_case
     roles = tiny_cluster.roles
-    stop = smol_tokenizer.decode(want[20:23])
-    _, result = generate(tiny_cluster.orchestrator_stub(roles["overlap"]), request_id="stop-overlap",
-                         token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG, num_speculative_tokens=2, stop=[stop])
+    stop = smol_tokenizer.decode(want[300:303])
+    stream, session = start(tiny_cluster, roles["overlap"], "stop-overlap", token_ids=pb.TokenIds(ids=ids),
+                            max_new_tokens=LONG, stop=[stop])
+    result = stream.finish()
     assert result.finish_reason == pb.FINISH_REASON_STOP and result.stop_sequence == stop
     assert len(result.token_ids) < LONG
-    assert session_was_released(tiny_cluster, roles["model-drafter"], "stop-overlap")
-    assert session_was_released(tiny_cluster, roles["verifier"], "stop-overlap")
+    assert released(tiny_cluster, session, roles["model-drafter"], roles["verifier"])
 
 
 def test_sessions_released_after_deadline(tiny_cluster, long_case):
     roles = tiny_cluster.roles
-    stub = tiny_cluster.orchestrator_stub(roles["model"])
+    stream, session = start(tiny_cluster, roles["model"], "late-1", timeout=1.0,
+                            token_ids=pb.TokenIds(ids=long_case[0]), max_new_tokens=LONG)
     with pytest.raises(grpc.RpcError) as err:
-        generate(stub, timeout=0.5, request_id="late-1", token_ids=pb.TokenIds(ids=long_case[0]),
-                 max_new_tokens=LONG)
+        stream.finish()
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert session_was_released(tiny_cluster, roles["model-drafter"], "late-1")
-    assert session_was_released(tiny_cluster, roles["verifier"], "late-1")
+    assert released(tiny_cluster, session, roles["model-drafter"], roles["verifier"])
 
 
 def test_killing_the_only_drafter_finishes_on_the_verifier_then_it_comes_back(tiny_cluster, tiny_pair, long_case):
@@ -150,9 +162,11 @@ def test_verifier_loss_fails_the_request_and_releases_the_drafter_session(tiny_c
     o = orchestrator(v, [d], target_dir, "orchestrator-lost-verifier")
     tiny_cluster.start(o)
     stream = Stream(tiny_cluster.orchestrator_stub(o), request_id="noverifier-1",
-                                                   token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG)
+                    token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG, num_speculative_tokens=4)
+    session = tiny_cluster.session_of(o, "noverifier-1")
+    assert session in tiny_cluster.sessions(d)
     tiny_cluster.kill(v)
     with pytest.raises(grpc.RpcError) as err:
         stream.finish()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert session_was_released(tiny_cluster, d, "noverifier-1")
+    assert released(tiny_cluster, session, d)

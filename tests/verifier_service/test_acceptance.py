@@ -2,7 +2,6 @@
 checked statistically, with a control showing the test catches a wrong residual."""
 
 import numpy as np
-import pytest
 import torch
 from scipy import stats
 

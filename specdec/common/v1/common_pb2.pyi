@@ -41,3 +41,13 @@ class ModelInfo(_message.Message):
     max_positions: int
     kind: str
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "tokens", "idle_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: int
+    idle_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[int] = ..., idle_seconds: _Optional[float] = ...) -> None: ...

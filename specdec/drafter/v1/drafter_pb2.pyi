@@ -50,3 +50,13 @@ class GetModelInfoResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.ModelInfo
     def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[_common_pb2.SessionInfo, _Mapping]]] = ...) -> None: ...

@@ -171,3 +171,27 @@ class ListDraftersResponse(_message.Message):
     source: str
     last_scaling_decision: str
     def __init__(self, replicas: _Optional[_Iterable[_Union[DrafterReplica, _Mapping]]] = ..., source: _Optional[str] = ..., last_scaling_decision: _Optional[str] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RequestInFlight(_message.Message):
+    __slots__ = ("request_id", "session_id", "drafter", "generated_tokens", "elapsed_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    session_id: str
+    drafter: str
+    generated_tokens: int
+    elapsed_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestInFlight]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestInFlight, _Mapping]]] = ...) -> None: ...

@@ -166,6 +166,11 @@ class OrchestratorAdminServiceStub:
                 request_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersRequest.SerializeToString,
                 response_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersResponse.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/specdec.orchestrator.v1.OrchestratorAdminService/ListRequests',
+                request_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorAdminServiceServicer:
@@ -188,6 +193,14 @@ class OrchestratorAdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRequests(self, request, context):
+        """The requests in flight: each one's label, its session id on the services and
+        its drafter replica.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorAdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -200,6 +213,11 @@ def add_OrchestratorAdminServiceServicer_to_server(servicer, server):
                     servicer.ListDrafters,
                     request_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersRequest.FromString,
                     response_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersResponse.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsRequest.FromString,
+                    response_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -257,6 +275,33 @@ class OrchestratorAdminService:
             '/specdec.orchestrator.v1.OrchestratorAdminService/ListDrafters',
             specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersRequest.SerializeToString,
             specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListDraftersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.orchestrator.v1.OrchestratorAdminService/ListRequests',
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsRequest.SerializeToString,
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

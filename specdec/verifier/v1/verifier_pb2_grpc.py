@@ -50,6 +50,11 @@ class VerifierServiceStub:
                 request_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/specdec.verifier.v1.VerifierService/ListSessions',
+                request_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -82,6 +87,13 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """The sessions open now (for operators, and to check that none leak).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +111,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.GetModelInfoRequest.FromString,
                     response_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.ListSessionsRequest.FromString,
+                    response_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +200,33 @@ class VerifierService:
             '/specdec.verifier.v1.VerifierService/GetModelInfo',
             specdec_dot_verifier_dot_v1_dot_verifier__pb2.GetModelInfoRequest.SerializeToString,
             specdec_dot_verifier_dot_v1_dot_verifier__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.verifier.v1.VerifierService/ListSessions',
+            specdec_dot_verifier_dot_v1_dot_verifier__pb2.ListSessionsRequest.SerializeToString,
+            specdec_dot_verifier_dot_v1_dot_verifier__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,129 @@
+"""How a request's links to the services read their errors: which ones resync, which
+ones mark a drafter replica down for everyone, which ones stay this request's own; and
+the client's deadline bounding every call downstream. The services are fake stubs."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from orchestrator.pool import DrafterPool
+from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink
+from specdec.common.v1 import common_pb2
+from specdec.errors import RESYNC_DETAIL
+from specdec.verifier.v1 import verifier_pb2
+
+PARAMS = common_pb2.SamplingParams(top_p=1.0)
+
+
+def error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class FakeVerifier:
+    """Answers each Verify with the next scripted outcome: an error to raise, or a response."""
+
+    def __init__(self, *outcomes):
+        self.outcomes, self.requests, self.timeouts = list(outcomes), [], []
+
+    async def Verify(self, request, timeout=None):
+        self.requests.append(request)
+        self.timeouts.append(timeout)
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return verifier_pb2.VerifyResponse(num_accepted=0, next_token=outcome)
+
+
+def verify(stub, history, synced, deadline=Deadline(None)):
+    stats = Stats()
+    link = VerifierLink(stub, "s", PARAMS, stats, timeout_s=60, deadline=deadline)
+    link.synced = synced
+
+    async def go():
+        return await link.verify(history, [], [])
+
+    return asyncio.run(go()), stats
+
+
+@pytest.mark.parametrize("code,details", [
+    (grpc.StatusCode.FAILED_PRECONDITION, f"unknown session; {RESYNC_DETAIL}"),
+    (grpc.StatusCode.INTERNAL, f"RuntimeError: out of memory; the session was dropped, {RESYNC_DETAIL}"),
+])
+def test_the_verifier_losing_the_session_costs_a_resync(code, details):
+    stub = FakeVerifier(error(code, details), 7)
+    (accepted, token, _), stats = verify(stub, [1, 2, 3, 4], synced=3)
+    assert token == 7 and stats.resyncs == 1
+    assert [(r.start, list(r.new_tokens)) for r in stub.requests] == [(3, [4]), (0, [1, 2, 3, 4])]
+
+
+def test_a_precondition_of_another_kind_is_not_a_resync():
+    stub = FakeVerifier(error(grpc.StatusCode.FAILED_PRECONDITION, "the model is being replaced"), 7)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        verify(stub, [1, 2, 3, 4], synced=3)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and len(stub.requests) == 1
+
+
+def test_a_failure_that_repeats_after_the_resync_fails_the_request():
+    stub = FakeVerifier(*[error(grpc.StatusCode.INTERNAL, f"a bug; {RESYNC_DETAIL}")] * 3)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        verify(stub, [1, 2, 3, 4], synced=3)
+    assert err.value.code() == grpc.StatusCode.INTERNAL and len(stub.requests) == 2
+
+
+def test_the_client_deadline_bounds_each_call():
+    stub = FakeVerifier(7)
+    verify(stub, [1, 2], synced=0, deadline=Deadline(0.2))
+    assert 0 < stub.timeouts[0] <= 0.2
+    stub = FakeVerifier(7)
+    verify(stub, [1, 2], synced=0)
+    assert stub.timeouts[0] == 60
+
+
+class FakeDrafter:
+    def __init__(self, failure: grpc.aio.AioRpcError | None):
+        self.failure, self.calls = failure, 0
+
+    def Propose(self, request, timeout=None):
+        self.calls += 1
+        failure = self.failure
+
+        async def stream():
+            if failure is not None:
+                raise failure
+            for token in range(request.num_draft_tokens):
+                yield type("Draft", (), {"token_id": token, "HasField": lambda self, name: False})()
+
+        return stream()
+
+
+def propose_with(failure):
+    """Two replicas; the first answers with `failure`. -> (drafts, stats, pool, first replica)"""
+
+    async def go():
+        pool = DrafterPool(["127.0.0.1:1", "127.0.0.1:2"], "", "target")
+        first, second = pool.replicas.values()
+        first.stub, second.stub = FakeDrafter(failure), FakeDrafter(None)
+        first.checked = second.checked = True
+        stats = Stats()
+        link = DrafterLink(pool, "s", PARAMS, stats, timeout_s=10)
+        drafts, _ = await link.propose([1, 2, 3], 3)
+        again, _ = await link.propose([1, 2, 3, 4], 3)
+        await pool.close()
+        return drafts + again, stats, first
+
+    return asyncio.run(go())
+
+
+def test_a_drafter_refusing_one_request_is_not_marked_down():
+    drafts, stats, first = propose_with(error(grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k: too large"))
+    assert drafts == [] and stats.drafter_failovers == 0
+    assert first.down_until == 0.0 and first.stub.calls == 1  # healthy for the others; not asked again
+    assert first.sessions == 0
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_a_drafter_in_trouble_is_marked_down_and_the_request_moves_on(code):
+    drafts, stats, first = propose_with(error(code, "gone"))
+    assert drafts == [0, 1, 2] * 2 and stats.drafter_failovers == 1
+    assert first.down_until > 0 and first.sessions == 0
