@@ -108,6 +108,7 @@ async def serve(args, on_listen=None) -> None:
         load=load,
         on_listen=on_listen,
         grace_s=args.shutdown_grace,
+        security=server.security(args),
         background=[lambda: servicer.store.reap_forever()],
     )
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from specdec.security import aio_channel
+from specdec.server import MESSAGE_OPTIONS
 
 log = logging.getLogger("orchestrator.pool")
 
@@ -18,6 +20,7 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    *MESSAGE_OPTIONS,
 ]
 
 
@@ -62,9 +65,11 @@ class Replica:
 class DrafterPool:
     """The current replica set, from a static list or from discovery (`update`)."""
 
-    def __init__(self, addresses: list[str], target_fingerprint: str, target_name: str, retry_s: float = 2.0):
+    def __init__(self, addresses: list[str], target_fingerprint: str, target_name: str, retry_s: float = 2.0,
+                 credentials: grpc.ChannelCredentials | None = None, options=()):
         self.target_fingerprint, self.target_name = target_fingerprint, target_name
         self.retry_s = retry_s
+        self.credentials, self.options = credentials, [*CHANNEL_OPTIONS, *options]
         self.replicas: dict[str, Replica] = {}
         self.update(addresses)
 
@@ -73,7 +78,7 @@ class DrafterPool:
         sessions move to another replica (a resync) at their next round."""
         for address in addresses:
             if address not in self.replicas:
-                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = aio_channel(address, self.credentials, self.options)
                 self.replicas[address] = Replica(address, channel, drafter_pb2_grpc.DrafterServiceStub(channel))
                 log.info("drafter %s added (%d replicas)", address, len(self.replicas))
         for address in set(self.replicas) - set(addresses):

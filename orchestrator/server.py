@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec import flags, modeling, sampling, server
+from specdec import flags, modeling, sampling, security, server
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Overloaded, Precondition, ServiceError, Unavailable, abort
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
@@ -316,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
              "off the network")
     add(parser, "--admin-port", env="SPECDEC_ORCHESTRATOR_ADMIN_PORT", type=int, default=50050,
         help="the admin service's port (0: any free port)")
+    add(parser, "--auth-token-file", env="SPECDEC_ORCHESTRATOR_AUTH_TOKEN_FILE", default="",
+        help="file of bearer tokens, one per line: Generate, Complete and the admin service then need "
+             "'authorization: Bearer <token>' (health and reflection stay open)")
+    security.add_client_flags(parser, "SPECDEC_ORCHESTRATOR")
     add(parser, "--verifier", env="SPECDEC_VERIFIER_ADDRESS", default="127.0.0.1:50053", help="verifier host:port")
     add(parser, "--drafters", env="SPECDEC_DRAFTER_ADDRESSES", default="127.0.0.1:50052",
         help="comma-separated drafter replica host:port list (empty: the target alone)")
@@ -372,7 +376,8 @@ async def serve(args, on_listen=None) -> None:
 
     async def load():
         tokenizer = await asyncio.to_thread(modeling.load_tokenizer, args.tokenizer)
-        channel = grpc.aio.insecure_channel(args.verifier, options=CHANNEL_OPTIONS)
+        credentials, options = security.channel_credentials(args), security.channel_options(args)
+        channel = security.aio_channel(args.verifier, credentials, [*CHANNEL_OPTIONS, *options])
         stub = verifier_pb2_grpc.VerifierServiceStub(channel)
         log.info("waiting for the verifier at %s", args.verifier)
         info = await wait_for_info(stub, verifier_pb2.GetModelInfoRequest(), args.startup_timeout)
@@ -382,7 +387,8 @@ async def serve(args, on_listen=None) -> None:
                                    f"{info.model_name!r}: give the target's tokenizer with --tokenizer")
         source = drafter_source(args)
         addresses = await source.addresses()
-        pool = DrafterPool(addresses, info.vocab_fingerprint, info.model_name)
+        pool = DrafterPool(addresses, info.vocab_fingerprint, info.model_name, credentials=credentials,
+                           options=options)
         for replica in pool.replicas.values():
             try:
                 await pool.check(replica, wait_s=args.startup_timeout)
@@ -413,6 +419,7 @@ async def serve(args, on_listen=None) -> None:
         on_listen=on_listen,
         grace_s=args.shutdown_grace,
         background=[follow_drafters, autoscale],
+        security=server.security(args, args.auth_token_file),
     )
 
 

@@ -22,13 +22,18 @@ def generate(args) -> int:
         request.seed = args.seed
     if args.k is not None:
         request.num_speculative_tokens = args.k
-    with grpc.insecure_channel(args.address) as channel:
+    from specdec.launch import channel as open_channel
+
+    credentials = client_credentials(args)
+    metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
+    with open_channel(args.address, credentials) as channel:
         if args.wait:
-            wait_until_serving(args.address, args.wait)
+            wait_until_serving(args.address, args.wait, credentials)
         started = time.monotonic()
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
         try:
-            for event in stub.Generate(request, wait_for_ready=bool(args.wait), timeout=args.timeout):
+            for event in stub.Generate(request, wait_for_ready=bool(args.wait), timeout=args.timeout,
+                                       metadata=metadata):
                 if event.HasField("chunk"):
                     sys.stdout.write(event.chunk.text)
                     sys.stdout.flush()
@@ -47,12 +52,23 @@ def generate(args) -> int:
     return 0
 
 
-def wait_until_serving(address: str, timeout_s: float) -> None:
+def client_credentials(args):
+    """TLS to the orchestrator when --tls-ca or a client certificate is given."""
+    import grpc
+    from pathlib import Path
+
+    if not (args.tls_ca or args.tls_cert):
+        return None
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+
+
+def wait_until_serving(address: str, timeout_s: float, credentials=None) -> None:
     from grpc_health.v1 import health_pb2
     from specdec.launch import health_status
 
     deadline = time.monotonic() + timeout_s
-    while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
+    while health_status(address, credentials=credentials) != health_pb2.HealthCheckResponse.SERVING:
         if time.monotonic() > deadline:
             raise SystemExit(f"specdec generate: {address} is not serving after {timeout_s:.0f} s")
         time.sleep(0.5)
@@ -172,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None)
     g.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the orchestrator to be up")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
+    flags.add(g, "--token", env="SPECDEC_TOKEN", default="", help="bearer token, when the orchestrator asks for one")
+    flags.add(g, "--tls-ca", env="SPECDEC_TLS_CA", default="", help="PEM CA that signed the orchestrator's certificate")
+    flags.add(g, "--tls-cert", env="SPECDEC_TLS_CERT", default="", help="PEM client certificate (mutual TLS)")
+    flags.add(g, "--tls-key", env="SPECDEC_TLS_KEY", default="", help="PEM key of --tls-cert")
     r = sub.add_parser("ray", help="launch on Ray and scale drafters")
     ray_sub = r.add_subparsers(dest="ray_command", required=True)
     ru = ray_sub.add_parser("up", help="start the services as Ray actors (local Ray, or --address)")

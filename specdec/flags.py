@@ -48,6 +48,9 @@ def add_server_flags(parser: argparse.ArgumentParser, prefix: str, default_port:
     add(parser, "--shutdown-grace", env=f"{prefix}_SHUTDOWN_GRACE", type=float, default=30.0,
         help="seconds calls in flight get to finish after SIGTERM (keep it below Kubernetes' "
              "terminationGracePeriodSeconds)")
+    from specdec import security
+
+    security.add_server_flags(parser, prefix)
 
 
 def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> None:

@@ -31,6 +31,7 @@ class Service:
     argv: list[str]
     process: subprocess.Popen | None = None
     admin_port: int | None = None  # the orchestrator's admin service
+    credentials: grpc.ChannelCredentials | None = None  # how a client reaches it (None: plaintext)
 
     @property
     def address(self) -> str:
@@ -72,10 +73,14 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
     return [verifier, *drafters, orchestrator]
 
 
-def health_status(address: str, timeout: float = 1.0) -> int:
-    with grpc.insecure_channel(address) as channel:
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    return grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+
+
+def health_status(address: str, timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> int:
+    with channel(address, credentials) as channel_:
         try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            response = health_pb2_grpc.HealthStub(channel_).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             return response.status
         except grpc.RpcError:
             return health_pb2.HealthCheckResponse.UNKNOWN
@@ -90,7 +95,7 @@ def wait_serving(services: list[Service], timeout_s: float) -> None:
             code = service.process.poll() if service.process else None
             if code is not None:
                 raise RuntimeError(f"{service.name} exited with code {code} while starting (see its log above)")
-            if health_status(service.address) == health_pb2.HealthCheckResponse.SERVING:
+            if health_status(service.address, credentials=service.credentials) == health_pb2.HealthCheckResponse.SERVING:
                 print(f"specdec up: {service.name} serving on {service.address}", file=sys.stderr, flush=True)
                 pending.remove(service)
         if pending and time.monotonic() > deadline:

@@ -23,6 +23,13 @@ from specdec.sessions import Session, SessionStore
 log = logging.getLogger(__name__)
 
 
+def security(args, auth_token_file: str = "") -> "Security":
+    """The Security the service's flags ask for (specdec.security)."""
+    from specdec import security as sec
+
+    return Security(sec.server_credentials(args), tuple(sec.auth_interceptors(auth_token_file)), args.health_port)
+
+
 def engine(model, args) -> Engine:
     """The model's batching engine, sized by the session-service flags (and the model
     quantized as they say: the drafter cuts its output head first)."""
@@ -96,23 +103,36 @@ class Listener:
     register: Callable[[grpc.aio.Server], None]
 
 
-def create_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+@dataclass
+class Security:
+    """How a service's ports are guarded (specdec.security): TLS credentials, and
+    interceptors (bearer-token auth) for the ports that serve calls."""
+    credentials: grpc.ServerCredentials | None = None
+    interceptors: tuple = ()
+    health_port: int = 0  # a plaintext port with health only (0: none)
+
+
+def create_server(host: str, port: int, credentials: grpc.ServerCredentials | None = None,
+                  interceptors=()) -> tuple[grpc.aio.Server, int]:
     """A server bound to host:port (port 0 picks a free one); returns it and its port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *MESSAGE_OPTIONS])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *MESSAGE_OPTIONS], interceptors=list(interceptors))
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return server, bound
 
 
-async def start_listener(name: str, listener: Listener, health_servicer) -> tuple[grpc.aio.Server, int]:
-    server, bound = create_server(listener.host, listener.port)
+async def start_listener(name: str, listener: Listener, health_servicer, security: Security
+                         ) -> tuple[grpc.aio.Server, int]:
+    server, bound = create_server(listener.host, listener.port, security.credentials, security.interceptors)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     listener.register(server)
     reflection.enable_server_reflection((*listener.service_names, reflection.SERVICE_NAME, health.SERVICE_NAME),
                                         server)
     await server.start()
-    log.info("%s listening on %s:%d for %s", name, listener.host, bound, ", ".join(listener.service_names))
+    log.info("%s listening on %s:%d for %s (%s)", name, listener.host, bound, ", ".join(listener.service_names),
+             "TLS" if security.credentials else "plaintext")
     return server, bound
 
 
@@ -128,21 +148,29 @@ async def serve(
     grace_s: float = 30.0,
     on_listen: Callable[[int, Callable[[], None]], None] | None = None,
     admin: Listener | None = None,
+    security: Security = Security(),
 ) -> None:
     """Starts the server at once (health answers NOT_SERVING), awaits `load`, then
     reports SERVING; on SIGTERM or SIGINT it drains: health turns NOT_SERVING, new calls
     are refused, calls in flight get `grace_s` to finish. `on_listen(port, stop)` tells
     an embedding host (a Ray actor) the bound port and a thread-safe stop. `admin`: a
-    second port, for the services operators call."""
+    second port, for the services operators call; `security`: TLS and auth of both."""
     health_servicer = health.aio.HealthServicer()
     everything = [*service_names, *(admin.service_names if admin else [])]
     for service in ("", *everything):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     servers = []
-    server, bound = await start_listener(name, Listener(host, port, service_names, register), health_servicer)
+    server, bound = await start_listener(name, Listener(host, port, service_names, register), health_servicer,
+                                         security)
     servers.append(server)
     if admin is not None:
-        servers.append((await start_listener(name, admin, health_servicer))[0])
+        servers.append((await start_listener(name, admin, health_servicer, security))[0])
+    if security.health_port:
+        probe, _ = create_server(host, security.health_port)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe)
+        await probe.start()
+        servers.append(probe)
+        log.info("%s answers health checks in plaintext on %s:%d", name, host, security.health_port)
     log.info("%s listening on %s:%d (not serving until loaded)", name, host, bound)
 
     stop = asyncio.Event()

@@ -26,10 +26,10 @@ def as_tested(model):
     return quantize(model.to(DEVICE), QUANTIZE)
 
 
-def verifier(model, name="verifier", port=None) -> Service:
+def verifier(model, name="verifier", port=None, extra=()) -> Service:
     port = port or free_port()
     return Service(name, port, [*PY, "verifier_service", "--host", HOST, "--port", str(port), "--model", str(model),
-                                *NUMERICS])
+                                *NUMERICS, *extra])
 
 
 def drafter(model=None, name="drafter", port=None, proposer="model", extra=()) -> Service:
@@ -111,10 +111,10 @@ class Cluster:
         stop(self.services)
 
 
-def generate(stub, timeout=120, **fields) -> tuple[list[pb.Chunk], pb.Result]:
+def generate(stub, timeout=120, metadata=None, **fields) -> tuple[list[pb.Chunk], pb.Result]:
     """One streamed Generate call: (chunks, result)."""
     chunks, result = [], None
-    for event in stub.Generate(pb.GenerateRequest(**fields), timeout=timeout):
+    for event in stub.Generate(pb.GenerateRequest(**fields), timeout=timeout, metadata=metadata):
         if event.HasField("chunk"):
             chunks.append(event.chunk)
         else:

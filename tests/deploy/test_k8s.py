@@ -18,7 +18,7 @@ from specdec.launch import HOST, Service, free_port, stop, wait_serving
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ["cpu", "gpu"]
+OVERLAYS = ["cpu", "gpu", "cpu-tls"]
 KUBERNETES_VERSION = "1.32.0"
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize)")
@@ -90,8 +90,18 @@ def test_structure_fits_the_code(overlay):
         assert env[f"SPECDEC_{role}_HOST"] == "0.0.0.0"
         # SIGTERM drains calls in flight for the service's grace, and Kubernetes waits longer than that.
         assert float(env[f"SPECDEC_{role}_SHUTDOWN_GRACE"]) < spec["template"]["spec"]["terminationGracePeriodSeconds"]
+        # grpc.health.v1 on the service port, or on the plaintext health port under TLS (the probes speak no TLS).
+        health_port = int(env.get(f"SPECDEC_{role}_HEALTH_PORT", port))
+        assert (health_port != port) == (f"SPECDEC_{role}_TLS_CERT" in env), name
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == port, (name, probe)  # grpc.health.v1 on the service port
+            assert c[probe]["grpc"]["port"] == health_port, (name, probe)
+        # Every file a variable names lies in a volume the container mounts.
+        mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
+        volumes = {v["name"] for v in spec["template"]["spec"].get("volumes", [])}
+        assert {m["name"] for m in c.get("volumeMounts", [])} <= volumes, name
+        for key, value in env.items():
+            if key.endswith(("_CERT", "_KEY", "_CA", "_FILE")):
+                assert any(value.startswith(m + "/") for m in mounts), (name, key, value)
         security = c["securityContext"]
         assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
         assert spec["template"]["spec"]["securityContext"]["runAsNonRoot"]
