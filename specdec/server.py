@@ -3,6 +3,7 @@ is loaded and warmed), reflection, the batching engine, and a graceful stop on S
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import signal
 import threading
@@ -103,6 +104,55 @@ class Listener:
     register: Callable[[grpc.aio.Server], None]
 
 
+class _Malformed:
+    """What a request that did not parse becomes, so that its handler can refuse it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class MalformedRequests(grpc.aio.ServerInterceptor):
+    """INVALID_ARGUMENT for a request whose bytes are not the method's message (gRPC
+    would answer UNKNOWN after the parser raised). Request-streaming methods (reflection)
+    are left as they are."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as err:  # DecodeError, or any parser complaint
+                return _Malformed(err)
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid message for {details.method} ({request.error})")
+
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+
+            async def guarded_stream(request, context):
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                async for response in behavior(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(guarded_stream, deserialize, handler.response_serializer)
+        behavior = handler.unary_unary
+
+        async def guarded(request, context):
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        return grpc.unary_unary_rpc_method_handler(guarded, deserialize, handler.response_serializer)
+
+
 @dataclass
 class Security:
     """How a service's ports are guarded (specdec.security): TLS credentials, and
@@ -115,7 +165,8 @@ class Security:
 def create_server(host: str, port: int, credentials: grpc.ServerCredentials | None = None,
                   interceptors=()) -> tuple[grpc.aio.Server, int]:
     """A server bound to host:port (port 0 picks a free one); returns it and its port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *MESSAGE_OPTIONS], interceptors=list(interceptors))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *MESSAGE_OPTIONS],
+                             interceptors=[MalformedRequests(), *interceptors])
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
