@@ -87,6 +87,20 @@ class RaySource:
         return tuple(await self.controller.placement.remote(wait_s))
 
 
+def ray_locator(actor: str, namespace: str, address: str):
+    """-> an async function giving the address a Ray service actor (deploy/ray) listens on now."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+    handle = ray.get_actor(actor, namespace=namespace)
+
+    async def locate() -> str:
+        return await handle.address.remote()
+
+    return locate
+
+
 async def follow(source, pool: DrafterPool, interval_s: float) -> None:
     """Keeps the pool equal to the source's replica set."""
     current: list[str] | None = None

@@ -20,7 +20,8 @@ from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grp
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from orchestrator import discovery
 from orchestrator.autoscale import Autoscaler, Policy
-from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair, wait_for_info
+from orchestrator.endpoint import VerifierEndpoint
+from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
 from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink, speculate
 from orchestrator.text import TextStream
@@ -76,9 +77,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.in_flight: dict[str, Flight] = {}  # by session id
         self.closing: set[asyncio.Task] = set()
 
-    def ready(self, tokenizer, verifier_stub, verifier_info: common_pb2.ModelInfo, pool: DrafterPool) -> None:
-        self.tokenizer, self.verifier, self.info, self.pool = tokenizer, verifier_stub, verifier_info, pool
-        self.eos = set(verifier_info.eos_token_ids)
+    def ready(self, tokenizer, verifier: VerifierEndpoint, pool: DrafterPool) -> None:
+        self.tokenizer, self.verifier, self.pool = tokenizer, verifier, pool
+
+    @property
+    def info(self) -> common_pb2.ModelInfo:
+        return self.verifier.info
 
     # -- input -------------------------------------------------------------------------
 
@@ -156,6 +160,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         try:
             if self.tokenizer is None:
                 raise Unavailable("still starting: waiting for the verifier")
+            if self.verifier.problem is not None:
+                raise Precondition(self.verifier.problem)
             req = self.parse(request)
             if len(self.in_flight) >= self.limits.max_concurrent_requests:
                 raise Overloaded(f"{len(self.in_flight)} requests in flight, the limit is "
@@ -179,7 +185,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         try:
             policy = FixedK(req.k) if req.k is not None else AdaptiveK(
                 self.costs, self.limits.adaptive_max_k, self.limits.default_k)
-            rounds = speculate(req.prompt, req.max_new_tokens, policy, self.eos, drafter, verifier, stats,
+            rounds = speculate(req.prompt, req.max_new_tokens, policy, set(self.info.eos_token_ids), drafter,
+                               verifier, stats,
                                overlap=self.limits.overlap)
             async with contextlib.aclosing(rounds):  # a stop string ends it early: stop its drafting too
                 async for new in rounds:
@@ -220,7 +227,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                             label, link.session_id, err.code().name)
 
     def result(self, req: Request, text: TextStream, stats: Stats) -> pb.Result:
-        if text.stop_hit is not None or (text.ids and text.ids[-1] in self.eos):
+        if text.stop_hit is not None or (text.ids and text.ids[-1] in self.info.eos_token_ids):
             finish = pb.FINISH_REASON_STOP
         else:
             finish = pb.FINISH_REASON_LENGTH
@@ -321,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
              "'authorization: Bearer <token>' (health and reflection stay open)")
     security.add_client_flags(parser, "SPECDEC_ORCHESTRATOR")
     add(parser, "--verifier", env="SPECDEC_VERIFIER_ADDRESS", default="127.0.0.1:50053", help="verifier host:port")
+    add(parser, "--verifier-ray", env="SPECDEC_VERIFIER_RAY", default="",
+        help="name of the verifier's Ray actor (deploy/ray): its address is looked up, and again after it "
+             "restarts; replaces --verifier")
     add(parser, "--drafters", env="SPECDEC_DRAFTER_ADDRESSES", default="127.0.0.1:50052",
         help="comma-separated drafter replica host:port list (empty: the target alone)")
     add(parser, "--drafter-dns", env="SPECDEC_DRAFTER_DNS", default="",
@@ -373,18 +383,17 @@ async def serve(args, on_listen=None) -> None:
                     args.drafter_timeout, args.verifier_timeout, args.overlap)
     servicer = OrchestratorServicer(limits)
     admin = AdminServicer(servicer)
+    locate_verifier = (discovery.ray_locator(args.verifier_ray, args.ray_namespace, args.ray_address)
+                       if args.verifier_ray else None)
 
     async def load():
         tokenizer = await asyncio.to_thread(modeling.load_tokenizer, args.tokenizer)
         credentials, options = security.channel_credentials(args), security.channel_options(args)
-        channel = security.aio_channel(args.verifier, credentials, [*CHANNEL_OPTIONS, *options])
-        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-        log.info("waiting for the verifier at %s", args.verifier)
-        info = await wait_for_info(stub, verifier_pb2.GetModelInfoRequest(), args.startup_timeout)
-        fingerprint = modeling.vocab_fingerprint(tokenizer)
-        if info.vocab_fingerprint != fingerprint:
-            raise IncompatiblePair(f"the tokenizer {args.tokenizer!r} does not match the verifier's model "
-                                   f"{info.model_name!r}: give the target's tokenizer with --tokenizer")
+        address = await locate_verifier() if locate_verifier else args.verifier
+        verifier = VerifierEndpoint(address, modeling.vocab_fingerprint(tokenizer), args.tokenizer, credentials,
+                                    [*CHANNEL_OPTIONS, *options])
+        log.info("waiting for the verifier at %s", address)
+        info = await verifier.start(args.startup_timeout)
         source = drafter_source(args)
         addresses = await source.addresses()
         pool = DrafterPool(addresses, info.vocab_fingerprint, info.model_name, credentials=credentials,
@@ -395,10 +404,13 @@ async def serve(args, on_listen=None) -> None:
                 log.info("drafter %s is compatible with the target %s", replica.address, info.model_name)
             except grpc.aio.AioRpcError as err:
                 log.warning("drafter %s not reachable yet (%s); will retry", replica.address, err.code().name)
-        servicer.ready(tokenizer, stub, info, pool)
+        servicer.ready(tokenizer, verifier, pool)
         admin.ready(pool, source, autoscaler(args, pool, source))
         log.info("target %s (vocabulary %d), %d drafter replica(s) (%s)", info.model_name, info.vocab_size,
                  len(addresses), source.kind)
+
+    async def watch_verifier():
+        await servicer.verifier.watch(args.drafter_refresh_interval, locate_verifier)
 
     async def follow_drafters():
         if admin.source.kind != "static":
@@ -418,8 +430,9 @@ async def serve(args, on_listen=None) -> None:
         load=load,
         on_listen=on_listen,
         grace_s=args.shutdown_grace,
-        background=[follow_drafters, autoscale],
+        background=[watch_verifier, follow_drafters, autoscale],
         security=server.security(args, args.auth_token_file),
+        serving=lambda: servicer.tokenizer is None or servicer.verifier.problem is None,
     )
 
 

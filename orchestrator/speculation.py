@@ -9,16 +9,19 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec.errors import needs_resync
-from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.pool import DrafterPool, Replica
+
+if TYPE_CHECKING:
+    from orchestrator.endpoint import VerifierEndpoint
 
 log = logging.getLogger("orchestrator")
 
@@ -78,10 +81,10 @@ class VerifierLink:
     """A request's session on the verifier. A restarted verifier costs a resync; one
     that stays unreachable fails the request after `retries` tries."""
 
-    def __init__(self, stub: verifier_pb2_grpc.VerifierServiceStub, session_id: str,
+    def __init__(self, endpoint: "VerifierEndpoint", session_id: str,
                  params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retries: int = 3,
                  deadline: Deadline = Deadline(None)):
-        self.stub, self.session_id, self.params, self.stats = stub, session_id, params, stats
+        self.endpoint, self.session_id, self.params, self.stats = endpoint, session_id, params, stats
         self.timeout_s, self.retries, self.deadline = timeout_s, retries, deadline
         self.synced = 0  # committed tokens the verifier is known to hold
 
@@ -94,7 +97,8 @@ class VerifierLink:
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
                 draft_tokens=drafts, draft_probs=qs, sampling=self.params)
             try:
-                response = await self.stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s))
+                # The endpoint's stub of the moment: a verifier that moved is reached where it is now.
+                response = await self.endpoint.stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s))
             except grpc.aio.AioRpcError as err:
                 if needs_resync(err.code(), err.details()) and self.synced > 0:
                     log.info("[%s] verifier resync: %s", self.session_id, err.details())
@@ -110,7 +114,8 @@ class VerifierLink:
             return response.num_accepted, response.next_token, response.batch_pass
 
     async def close(self) -> None:
-        await self.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)
+        await self.endpoint.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id),
+                                              timeout=5)
 
 
 class DrafterLink:

@@ -200,12 +200,14 @@ async def serve(
     on_listen: Callable[[int, Callable[[], None]], None] | None = None,
     admin: Listener | None = None,
     security: Security = Security(),
+    serving: Callable[[], bool] = lambda: True,
 ) -> None:
     """Starts the server at once (health answers NOT_SERVING), awaits `load`, then
     reports SERVING; on SIGTERM or SIGINT it drains: health turns NOT_SERVING, new calls
     are refused, calls in flight get `grace_s` to finish. `on_listen(port, stop)` tells
     an embedding host (a Ray actor) the bound port and a thread-safe stop. `admin`: a
-    second port, for the services operators call; `security`: TLS and auth of both."""
+    second port, for the services operators call; `security`: TLS and auth of both.
+    `serving()`: whether the service can take calls now (health follows it once loaded)."""
     health_servicer = health.aio.HealthServicer()
     everything = [*service_names, *(admin.service_names if admin else [])]
     for service in ("", *everything):
@@ -241,7 +243,18 @@ async def serve(
             loader.result()  # a failed load ends the process with its error
             for service in ("", *everything):
                 await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-            tasks = [asyncio.ensure_future(task()) for task in background]
+            async def follow_serving():
+                now = True
+                while True:
+                    await asyncio.sleep(1.0)
+                    if serving() != now:
+                        now = not now
+                        status = health_pb2.HealthCheckResponse.SERVING if now else \
+                            health_pb2.HealthCheckResponse.NOT_SERVING
+                        for service in ("", *service_names):
+                            await health_servicer.set(service, status)
+
+            tasks = [asyncio.ensure_future(task()) for task in (*background, follow_serving)]
             log.info("%s serving on %s:%d", name, host, bound)
             await stopper
         else:

@@ -3,6 +3,7 @@
 import asyncio
 import importlib
 import logging
+import os
 import threading
 
 import ray
@@ -63,23 +64,34 @@ class DrafterController:
     """Owns the drafter replicas: starts and retires them, and tells the orchestrator
     their current addresses (a replica Ray restarted listens on a new port)."""
 
-    def __init__(self, name: str, drafter_argv: list[str], num_cpus: float, num_gpus: float, drain_s: float):
+    def __init__(self, name: str, drafter_argv: list[str], num_cpus: float, num_gpus: float, drain_s: float,
+                 replicas: int = 0):
         self.name = name
         self.drafter_argv, self.num_cpus, self.num_gpus, self.drain_s = drafter_argv, num_cpus, num_gpus, drain_s
         self.replicas: list = []
         self.started_refs: dict = {}  # replica -> its first call, done once Ray has placed and started it
         self.started = 0
         self.retiring: set[asyncio.Task] = set()
+        # The replicas are this actor's own and die with it: a restarted controller starts
+        # the deployment's replicas again (a scale call made since is not remembered), in
+        # new names (the old ones may not be released yet).
+        self.incarnation = os.urandom(3).hex()
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            log.warning("the drafter controller restarted: starting %d drafter replicas again", replicas)
+        self._grow(replicas)
 
-    async def scale(self, replicas: int) -> int:
+    def _grow(self, replicas: int) -> None:
         while len(self.replicas) < replicas:
             self.started += 1
             actor = ray.remote(ServiceActor).options(
-                name=f"{self.name}-drafter-{self.started}", num_cpus=self.num_cpus, num_gpus=self.num_gpus,
-                max_restarts=-1, max_task_retries=-1,
+                name=f"{self.name}-drafter-{self.incarnation}-{self.started}", num_cpus=self.num_cpus,
+                num_gpus=self.num_gpus, max_restarts=-1, max_task_retries=-1,
             ).remote("drafter", self.drafter_argv)
             self.replicas.append(actor)
             self.started_refs[actor] = actor.address.remote()
+
+    async def scale(self, replicas: int) -> int:
+        self._grow(replicas)
         while len(self.replicas) > replicas:
             actor = self.replicas.pop()
             ref = self.started_refs.pop(actor, None)

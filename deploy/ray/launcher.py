@@ -10,7 +10,6 @@ import ray
 
 from deploy.ray.actors import DrafterController, ServiceActor
 from specdec import modeling
-from specdec.launch import free_port
 
 log = logging.getLogger("specdec.ray")
 
@@ -93,7 +92,7 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
        refresh_s: float = 0.5, drain_s: float = 3.0, autoscale: dict | None = None, name: str = "specdec",
        startup_timeout_s: float = 600, admin_port: int = 50050) -> RayDeployment:
     """Starts the deployment and returns once every service is serving. Its actors are
-    named `{name}-verifier`, `{name}-drafter-controller`, `{name}-drafter-<i>`,
+    named `{name}-verifier`, `{name}-drafter-controller`, `{name}-drafter-<incarnation>-<i>`,
     `{name}-orchestrator`; on a cluster the orchestrator runs on the head node (where
     a Kubernetes Service can reach it), its admin service on that node's loopback at
     `admin_port`.
@@ -121,8 +120,9 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
                      *[(f"drafter actor {i + 1}", {"CPU": drafter_cpus}) for i in range(num_drafters)],
                      ("orchestrator actor", {"CPU": orchestrator_cpus})])
 
-    # The verifier keeps its port across a restart: the orchestrator holds its address.
-    verifier_port = 50053 if on_cluster else free_port()
+    # A fixed port on a cluster (firewalls); any free one locally. Either way the orchestrator
+    # looks the verifier up by name, again after a restart (a new node, a new port).
+    verifier_port = 50053 if on_cluster else 0
     verifier = ray.remote(ServiceActor).options(
         name=f"{name}-verifier", num_cpus=verifier_cpus, num_gpus=verifier_gpus, max_restarts=3,
     ).remote("verifier", ["--host", host, "--port", str(verifier_port), "--model", target, "--dtype", dtype,
@@ -131,12 +131,12 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
         "--model", draft, "--dtype", dtype, "--device", "cpu"]  # drafter actors ask for CPUs
     controller_name = f"{name}-drafter-controller"
     controller = ray.remote(DrafterController).options(name=controller_name, num_cpus=0, max_restarts=3).remote(
-        name, ["--host", host, "--port", "0", *proposer, *drafter_flags], drafter_cpus, 0, drain_s)
-    ray.get(controller.scale.remote(num_drafters))
+        name, ["--host", host, "--port", "0", *proposer, *drafter_flags], drafter_cpus, 0, drain_s, num_drafters)
 
-    verifier_address = ray.get(verifier.address.remote())
+    # The orchestrator looks the verifier up by name, and again when it restarts (on a
+    # cluster it may come back on another node).
     argv = ["--host", host, "--port", str(port), "--admin-port", str(admin_port),
-            "--verifier", verifier_address, "--tokenizer", target,
+            "--verifier-ray", f"{name}-verifier", "--tokenizer", target,
             "--drafter-ray", controller_name, "--ray-namespace", namespace,
             "--drafter-refresh-interval", str(refresh_s), *orchestrator_flags]
     if autoscale:

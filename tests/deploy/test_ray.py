@@ -122,6 +122,56 @@ def test_killed_drafter_actor_comes_back(deployment, stubs, expected, tiny_pair,
     assert list(result.token_ids) == want[:40] and result.stats.accepted_tokens > 0
 
 
+def test_killed_controller_comes_back_with_its_replicas(deployment, stubs, expected):
+    """Its replicas die with it (they are its own); restarted, it starts them again, and
+    the orchestrator follows (it used to come back with none: verifier alone, silently)."""
+    stub, admin = stubs
+    wait_for_drafters(admin, 1)
+    (before,) = deployment.drafter_addresses()
+    ray.kill(deployment.controller, no_restart=False)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            addresses = deployment.drafter_addresses()
+        except ray.exceptions.RayActorError:
+            addresses = []  # restarting
+        listed = [r.address for r in admin.ListDrafters(pb.ListDraftersRequest()).replicas]
+        if len(addresses) == 1 and addresses != [before] and listed == addresses:
+            break
+        assert time.monotonic() < deadline, (before, addresses, listed)
+        time.sleep(0.5)
+    ids, want = expected[PROMPTS[0]]
+    _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60, num_speculative_tokens=4)
+    assert list(result.token_ids) == want and result.stats.accepted_tokens > 0
+
+
+def test_killed_verifier_is_found_again_on_its_new_port(deployment, stubs, expected):
+    stub, _ = stubs
+    before = ray.get(deployment.verifier.address.remote())
+    ray.kill(deployment.verifier, no_restart=False)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if ray.get(deployment.verifier.serving.remote(), timeout=10):
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "the verifier never came back"
+        time.sleep(0.5)
+    after = ray.get(deployment.verifier.address.remote())
+    assert after != before  # a new port: only looking it up again finds it
+    ids, want = expected[PROMPTS[0]]
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60, timeout=30)
+            break
+        except grpc.RpcError as err:  # until the orchestrator's next look-up (0.5 s here)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, err
+            time.sleep(0.5)
+    assert list(result.token_ids) == want
+
+
 def test_cli_lists_and_scales(deployment):
     run = lambda *a: subprocess.run([sys.executable, "-m", "specdec", "ray", *a, "--admin",
                                      deployment.admin_address], capture_output=True, text=True, timeout=60)

@@ -3,6 +3,7 @@ ones mark a drafter replica down for everyone, which ones stay this request's ow
 the client's deadline bounding every call downstream. The services are fake stubs."""
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -37,7 +38,7 @@ class FakeVerifier:
 
 def verify(stub, history, synced, deadline=Deadline(None)):
     stats = Stats()
-    link = VerifierLink(stub, "s", PARAMS, stats, timeout_s=60, deadline=deadline)
+    link = VerifierLink(SimpleNamespace(stub=stub), "s", PARAMS, stats, timeout_s=60, deadline=deadline)
     link.synced = synced
 
     async def go():
