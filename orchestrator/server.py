@@ -17,7 +17,6 @@ from specdec import flags, modeling, sampling, security, server
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Overloaded, Precondition, ServiceError, Unavailable, abort
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
-from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from orchestrator import discovery
 from orchestrator.autoscale import Autoscaler, Policy
 from orchestrator.endpoint import VerifierEndpoint
@@ -46,6 +45,7 @@ class Limits:
     drafter_timeout_s: float
     verifier_timeout_s: float
     overlap: bool = False
+    verifier_retry_s: float = 15.0
 
 
 @dataclass
@@ -177,7 +177,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         stats = Stats()
         deadline = Deadline(context.time_remaining())
         verifier = VerifierLink(self.verifier, session_id, req.params, stats, self.limits.verifier_timeout_s,
-                                deadline=deadline)
+                                retry_s=self.limits.verifier_retry_s, deadline=deadline)
         drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
                               deadline=deadline)
         text = TextStream(self.tokenizer, req.stop)
@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds one Propose call may take before the drafter counts as failed")
     add(parser, "--verifier-timeout", env="SPECDEC_VERIFIER_TIMEOUT", type=float, default=60.0,
         help="seconds one Verify call may take")
+    add(parser, "--verifier-retry-timeout", env="SPECDEC_VERIFIER_RETRY_TIMEOUT", type=float, default=15.0,
+        help="seconds a request waits for an unreachable verifier to come back (a restart) before it fails "
+             "UNAVAILABLE; the client's deadline still bounds it")
     add(parser, "--startup-timeout", env="SPECDEC_STARTUP_TIMEOUT", type=float, default=600.0,
         help="seconds to wait for the verifier and drafters to load")
     return parser
@@ -380,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args, on_listen=None) -> None:
     limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
                     args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests,
-                    args.drafter_timeout, args.verifier_timeout, args.overlap)
+                    args.drafter_timeout, args.verifier_timeout, args.overlap, args.verifier_retry_timeout)
     servicer = OrchestratorServicer(limits)
     admin = AdminServicer(servicer)
     locate_verifier = (discovery.ray_locator(args.verifier_ray, args.ray_namespace, args.ray_address)

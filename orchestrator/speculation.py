@@ -79,19 +79,20 @@ class Stats:
 
 class VerifierLink:
     """A request's session on the verifier. A restarted verifier costs a resync; one
-    that stays unreachable fails the request after `retries` tries."""
+    that is unreachable is retried for `retry_s` (a restart takes a few seconds), within
+    the client's deadline; then the request fails UNAVAILABLE."""
 
     def __init__(self, endpoint: "VerifierEndpoint", session_id: str,
-                 params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retries: int = 3,
+                 params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retry_s: float = 15.0,
                  deadline: Deadline = Deadline(None)):
         self.endpoint, self.session_id, self.params, self.stats = endpoint, session_id, params, stats
-        self.timeout_s, self.retries, self.deadline = timeout_s, retries, deadline
+        self.timeout_s, self.retry_s, self.deadline = timeout_s, retry_s, deadline
         self.synced = 0  # committed tokens the verifier is known to hold
 
     async def verify(self, history: list[int], drafts: list[int],
                      qs: list[common_pb2.SparseDistribution]) -> tuple[int, int, verifier_pb2.BatchPass]:
         """(accepted, the verifier's token, the batched pass that ran the round)"""
-        attempt = 0
+        attempt, unreachable_since = 0, None
         while True:
             request = verifier_pb2.VerifyRequest(
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
@@ -105,10 +106,14 @@ class VerifierLink:
                     self.synced = 0
                     self.stats.resyncs += 1
                     continue
-                if err.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
-                    attempt += 1
-                    await asyncio.sleep(0.5 * attempt)
-                    continue
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    unreachable_since = unreachable_since or time.monotonic()
+                    pause = min(2.0, 0.25 * 2 ** attempt)
+                    if time.monotonic() + pause - unreachable_since <= self.retry_s and \
+                            self.deadline.timeout(float("inf")) > pause:
+                        attempt += 1
+                        await asyncio.sleep(pause)
+                        continue
                 raise
             self.synced = len(history)
             return response.num_accepted, response.next_token, response.batch_pass

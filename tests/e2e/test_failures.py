@@ -159,7 +159,7 @@ def test_verifier_loss_fails_the_request_and_releases_the_drafter_session(tiny_c
     target_dir, draft_dir, _ = tiny_pair
     v, d = verifier(target_dir, "verifier-to-kill"), drafter(draft_dir, "drafter-of-lost-verifier")
     tiny_cluster.start(v, d)
-    o = orchestrator(v, [d], target_dir, "orchestrator-lost-verifier")
+    o = orchestrator(v, [d], target_dir, "orchestrator-lost-verifier", extra=["--verifier-retry-timeout", "2"])
     tiny_cluster.start(o)
     stream = Stream(tiny_cluster.orchestrator_stub(o), request_id="noverifier-1",
                     token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG, num_speculative_tokens=4)
