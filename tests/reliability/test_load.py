@@ -2,7 +2,6 @@
 one Result and the target's own tokens; cancellations at random points leave the others
 exact and leak no session; a client deadline against a stalled verifier answers at once."""
 
-import asyncio
 import os
 import random
 import signal
@@ -12,7 +11,7 @@ import grpc
 import pytest
 
 from cluster import generate, pb, reference
-from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+from load import run_clients
 
 PROMPTS = [f"{topic} {detail}" for topic in ("The ocean", "A small town", "Modern computers", "The moon")
            for detail in ("is", "was once", "may become", "and its history")]
@@ -26,43 +25,6 @@ def cases(tiny_pair, smol_tokenizer):
         ids = smol_tokenizer(prompt)["input_ids"]
         out.append((ids, reference(tiny_pair[2], ids, NEW_TOKENS)))
     return out
-
-
-async def stream(stub, ids, k, cancel_after: int | None = None):
-    """One Generate call: ('ok', tokens, results seen) | ('cancelled',) | (status code name,)."""
-    call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=NEW_TOKENS,
-                                            num_speculative_tokens=k), timeout=120)
-    tokens, results, chunks = [], [], 0
-    try:
-        async for event in call:
-            if event.HasField("chunk"):
-                tokens.extend(event.chunk.token_ids)
-                chunks += 1
-                if cancel_after is not None and chunks >= cancel_after:
-                    call.cancel()
-                    return ("cancelled",)
-            else:
-                results.append(event.result)
-    except grpc.aio.AioRpcError as err:
-        return (err.code().name,)
-    return ("ok", tokens, results)
-
-
-def run_clients(address: str, plan: list[tuple], concurrency: int) -> list[tuple]:
-    """Runs plan[i] = (ids, k, cancel_after) with `concurrency` calls in flight at a time."""
-
-    async def go():
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-            limit = asyncio.Semaphore(concurrency)
-
-            async def one(item):
-                async with limit:
-                    return await stream(stub, *item)
-
-            return await asyncio.gather(*(one(item) for item in plan))
-
-    return asyncio.run(go())
 
 
 def test_64_concurrent_streams_1000_requests(shared_cluster, cases):
