@@ -230,12 +230,15 @@ class Engine:
 
     def release(self, seq: PagedSequence) -> None:
         """A closed session: its blocks go back to the pool; a call still waiting on it
-        learns that the session is gone (the caller resends it)."""
+        learns that the session is gone (the caller resends it). A session in the running
+        pass keeps its blocks until the pass ends: the pass is writing to them, and they
+        must not reach another session before it has."""
         with self.cond:
             seq.released = True
             for work in [w for w in self.queue if w.seq is seq and not w.in_pass]:
                 self._finish(work, error=_closed())
-            self._evict(seq)
+            if not any(w.seq is seq and w.in_pass for w in self.queue):
+                self._evict(seq)
             self.cond.notify()
 
     def stop(self) -> None:
@@ -418,6 +421,7 @@ class Engine:
             work.in_pass = False
             if seq.released:
                 self._finish(work, error=_closed())
+                self._evict(seq)  # closed during the pass: its blocks are free now
             elif error is not None:
                 self._evict(seq)  # its cache is in doubt: it recomputes from its tokens
                 self._finish(work, error=error)

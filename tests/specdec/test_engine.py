@@ -256,3 +256,43 @@ def test_sessions_closed_during_a_pass_do_not_fill_the_waiting_queue(models, mon
         work.future.result(10)
     for other in others:
         other.future.result(10)
+
+
+def test_a_session_closed_during_a_pass_keeps_its_blocks_until_the_pass_ends(models, monkeypatch):
+    """A cancelled request's session is closed while its row is in the running pass (seen
+    in the soak test): the pass still writes to its blocks, so they must not go back to
+    the pool, or to a newcomer, before it ends. The other rows of the pass are exact.
+    (Before: its blocks went back at once, and the whole pass failed, or worse, wrote into
+    blocks a newcomer held.)"""
+    eng = engine(models)
+    entered, gate = threading.Event(), threading.Event()
+    real = eng._run
+
+    def slow(batch):
+        entered.set()
+        gate.wait(10)
+        return real(batch)
+
+    monkeypatch.setattr(eng, "_run", slow)
+    closing, staying = eng.new_sequence(), eng.new_sequence()
+    closing.sync(0, tokens(40, 21))
+    staying.sync(0, tokens(30, 22))
+    with eng.cond:  # both in one pass
+        works = [eng.submit(closing, 1), eng.submit(staying, 2)]
+    assert entered.wait(10)
+    held = list(closing.blocks)
+    eng.release(closing)
+    assert closing.blocks == held and not set(held) & set(eng.pool.free)
+    newcomer = eng.new_sequence()
+    newcomer.sync(0, tokens(50, 23))
+    late = eng.submit(newcomer, 1)
+    assert not set(held) & set(newcomer.blocks)
+    gate.set()
+    with pytest.raises(NeedsResync):
+        works[0].future.result(10)
+    close(works[1].future.result(10)[0], fresh(models, staying.tokens, 2))
+    close(late.future.result(10)[0], fresh(models, newcomer.tokens, 1))
+    assert not closing.blocks
+    for seq in (staying, newcomer):
+        eng.release(seq)
+    assert len(eng.pool.free) == eng.pool.capacity

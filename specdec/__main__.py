@@ -1,3 +1,0 @@
-from specdec.cli import main
-
-main()
