@@ -1,4 +1,4 @@
-"""Side-by-side benchmark: `specdec bench` (or `python -m specdec.bench`).
+"""Side-by-side benchmark: `specdec bench` (or `python -m deploy.bench`).
 
 On one prompt set, in one run, interleaved per prompt:
   target       the target alone (transformers `generate`, greedy)
@@ -43,7 +43,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from specdec import launch, modeling, quantize
+from deploy import launch
+from specdec import modeling, quantize
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc

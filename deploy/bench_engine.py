@@ -1,4 +1,4 @@
-"""The batching engine on its own: `python -m specdec.bench_engine`.
+"""The batching engine on its own: `python -m deploy.bench_engine`.
 
 1. What a batched pass of the target costs: R rows x n tokens against one row x one
    token, each row with a ~120-token cache (same process, median of 7 passes each).
@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from specdec import launch, modeling
+from deploy import launch
+from specdec import modeling
 from specdec.engine import Engine
 
 
@@ -122,7 +123,7 @@ def stall(target: str, draft: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m specdec.bench_engine", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m deploy.bench_engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT, help="for --stall")

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import grpc
 
-from specdec import launch, modeling
-from specdec.bench import percentile, read_prompts
+from deploy import launch
+from specdec import modeling
+from deploy.bench import percentile, read_prompts
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 log = logging.getLogger("bench-load")

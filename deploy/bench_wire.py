@@ -1,4 +1,4 @@
-"""What one round costs on the wire: `python -m specdec.bench_wire`.
+"""What one round costs on the wire: `python -m deploy.bench_wire`.
 
 A server process answers the round's two calls with canned replies (no model), so what
 is timed is gRPC, protobuf and the event loops on both sides, over loopback:
@@ -142,7 +142,7 @@ def measure(k: int, support: int, rounds: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specdec.bench_wire", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m deploy.bench_wire", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--support", type=int, default=64, help="entries of each sparse q when sampling")

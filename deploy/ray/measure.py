@@ -13,7 +13,7 @@ import ray
 
 from deploy.ray import launcher
 from specdec import modeling
-from specdec.launch import free_port
+from deploy.launch import free_port
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 PROMPTS = ["Tell me about the sea.", "Write a haiku about autumn.", "List five fruits.", "What is a prime number?"]

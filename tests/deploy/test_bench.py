@@ -4,7 +4,7 @@ the target alone. Not a timing test: the figures are only checked for sanity."""
 
 import json
 
-from specdec import bench, cli
+from deploy import bench
 
 
 def test_bench_runs_every_variant_and_they_agree(tiny_pair, tmp_path):
@@ -12,8 +12,8 @@ def test_bench_runs_every_variant_and_they_agree(tiny_pair, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# two categories\n[chat]\nWrite a haiku about the sea.\n[text raw]\nThe sea is\n")
     out = tmp_path / "out"
-    args = cli.build_parser().parse_args(
-        ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+    args = bench.build_parser().parse_args(
+        ["--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
          "--max-new-tokens", "12", "-k", "3", "--quantize", "none,int8", "--out", str(out)])
     assert bench.main_with(args) == 0
 

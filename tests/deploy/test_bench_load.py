@@ -4,7 +4,7 @@ nothing fails, and every output is the target's. Not a timing test."""
 
 import json
 
-from specdec import bench_load, cli
+from deploy import bench_load
 
 
 def test_bench_load_runs_every_variant(tiny_pair, tmp_path):
@@ -12,8 +12,8 @@ def test_bench_load_runs_every_variant(tiny_pair, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Write a haiku about the sea.\nList three colors.\nName a fruit.\n")
     out = tmp_path / "out"
-    args = cli.build_parser().parse_args(
-        ["bench-load", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+    args = bench_load.build_parser().parse_args(
+        ["--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
          "--max-new-tokens", "10", "--concurrency", "1,4", "--duration", "3", "-k", "2", "--out", str(out)])
     assert bench_load.main_with(args) == 0
 

@@ -1,7 +1,7 @@
-"""`python -m specdec.bench_wire` as a smoke test: both ways of carrying a round run
+"""`python -m deploy.bench_wire` as a smoke test: both ways of carrying a round run
 against a real server process and give sane figures. Not a timing test."""
 
-from specdec import bench_wire
+from deploy import bench_wire
 
 
 def test_both_ways_of_carrying_a_round_run():

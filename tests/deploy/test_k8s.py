@@ -14,7 +14,7 @@ import yaml
 
 from cluster import chat_ids, generate, pb, reference
 from specdec import flags, modeling
-from specdec.launch import HOST, Service, free_port, stop, wait_serving
+from deploy.launch import HOST, Service, free_port, stop, wait_serving
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]

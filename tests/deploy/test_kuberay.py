@@ -10,7 +10,7 @@ from pathlib import Path
 import kubernetes_validate
 import yaml
 
-from specdec.cli import build_parser
+from deploy.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [d for d in yaml.safe_load_all((ROOT / "deploy/ray/kuberay.yaml").read_text()) if d]

@@ -3,6 +3,7 @@ steady stream of requests, and a drafter actor killed mid-request."""
 
 import subprocess
 import sys
+from pathlib import Path
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from cluster import Stream, cases, generate, pb, reference  # noqa: E402
-from specdec.launch import free_port  # noqa: E402
+from deploy.launch import free_port  # noqa: E402
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc  # noqa: E402
 
 PROMPTS = ["The river", "Once there was a robot", "def sort(items):", "Monday, Tuesday,", "Dear friend,"]
@@ -173,7 +174,7 @@ def test_killed_verifier_is_found_again_on_its_new_port(deployment, stubs, expec
 
 
 def test_cli_lists_and_scales(deployment):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "specdec", "ray", *a, "--admin",
+    run = lambda *a: subprocess.run([str(Path(sys.executable).parent / "specdec"), "ray", *a, "--admin",
                                      deployment.admin_address], capture_output=True, text=True, timeout=60)
     done = run("scale-drafters", "2")
     assert done.returncode == 0 and "drafter replicas: 2" in done.stdout, done.stderr

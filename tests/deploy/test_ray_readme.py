@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from specdec.launch import free_port  # noqa: E402
+from deploy.launch import free_port  # noqa: E402
 
 SPECDEC = [str(Path(sys.executable).parent / "specdec")]
 README = (Path(__file__).parents[2] / "README.md").read_text()

@@ -4,13 +4,14 @@ greedy output identical to the target alone with the same numerics (int8 on a CP
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from cluster import chat_ids, generate, pb, reference
 from specdec import modeling
 from specdec.quantize import quantize
-from specdec.launch import free_port, health_status
+from deploy.launch import free_port, health_status
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
 import grpc
@@ -23,7 +24,7 @@ MAX_NEW = 24
 @pytest.fixture(scope="module")
 def up():
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--port", str(port)],
+    process = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "up", "--port", str(port)],
                                stdout=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()  # the launcher prints its address once all serve
@@ -58,7 +59,7 @@ def test_cli_generate_streams_the_text(up, target):
     model, tokenizer = target
     question = QUESTIONS[0]
     want = tokenizer.decode(reference(model, chat_ids(tokenizer, question), MAX_NEW), skip_special_tokens=True)
-    done = subprocess.run([sys.executable, "-m", "specdec", "generate", question, "--address", up,
+    done = subprocess.run([str(Path(sys.executable).parent / "specdec"), "generate", question, "--address", up,
                            "--max-new-tokens", str(MAX_NEW)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == want + "\n"

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from cluster import Cluster, drafter, orchestrator, pb, reference, verifier
-from specdec.launch import start
+from deploy.launch import start
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
 PROMPTS = ["The lighthouse keeper", "Tomorrow the market", "In the old library", "A recipe calls for",

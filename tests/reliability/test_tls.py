@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from certs import CA
 from cluster import Cluster, drafter, generate, orchestrator, pb, reference, verifier
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
-from specdec.launch import free_port
+from deploy.launch import free_port
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
 TOKEN = "s3cret-token-for-the-test"
@@ -122,11 +122,12 @@ def test_callers_without_our_certificate_are_refused(secured, who):
 def test_specdec_generate_speaks_tls_and_token(secured, tmp_path):
     import subprocess
     import sys
+    from pathlib import Path
 
     cluster, (_, _, o), _, _ = secured
     cert_args = o.argv[o.argv.index("--tls-ca") + 1:]
     ca, client_cert, client_key = cert_args[0], cert_args[2], cert_args[4]  # the orchestrator's own, as a client
-    command = [sys.executable, "-m", "specdec", "generate", "--raw", "Hello", "--max-new-tokens", "4",
+    command = [str(Path(sys.executable).parent / "specdec"), "generate", "--raw", "Hello", "--max-new-tokens", "4",
                "--address", o.address, "--tls-ca", ca, "--tls-cert", client_cert, "--tls-key", client_key]
     done = subprocess.run([*command, "--token", TOKEN], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "4 tokens" in done.stderr, done.stderr
