@@ -1,6 +1,8 @@
 """specdec on a real local Ray instance: launch, scale drafters 1 -> 3 -> 1 under a
-steady stream of requests, and a drafter actor killed mid-request."""
+steady stream of requests, a drafter actor, the controller and the verifier killed and
+found again, chaos under load, and the autoscaler."""
 
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +182,65 @@ def test_cli_lists_and_scales(deployment):
     assert done.returncode == 0 and "drafter replicas: 2" in done.stdout, done.stderr
     done = run("drafters")
     assert done.returncode == 0 and "(ray)" in done.stdout
+
+
+def test_chaos_under_ray(deployment, stubs, expected):
+    """Clients in a closed loop while Ray's actors are killed and restarted by Ray: a
+    drafter replica, the verifier, the orchestrator, each in turn after the last one has
+    recovered. Every request is exact or fails UNAVAILABLE; none hangs."""
+    stub, admin = stubs
+    cases_ = list(expected.values())
+    stop, lock = threading.Event(), threading.Lock()
+    outcomes, wrong, done_at = {}, [], []
+
+    def client(seed):
+        rng = random.Random(seed)
+        with grpc.insecure_channel(deployment.address) as channel:
+            client_stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+            while not stop.is_set():
+                ids, want = rng.choice(cases_)
+                begun = time.monotonic()
+                try:
+                    _, result = generate(client_stub, timeout=60, token_ids=pb.TokenIds(ids=ids), max_new_tokens=20,
+                                         num_speculative_tokens=rng.choice([0, 3]))
+                    outcome = "ok"
+                except grpc.RpcError as err:
+                    outcome, result = err.code().name, None
+                with lock:
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                    if result is not None:
+                        if list(result.token_ids) != want[:20]:
+                            wrong.append(ids)
+                        done_at.append((begun, time.monotonic()))
+                if outcome != "ok":
+                    time.sleep(0.5)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    recovery = {}
+    try:
+        time.sleep(2)
+        for kind in ("drafter", "verifier", "orchestrator"):
+            actor = {"drafter": lambda: deployment.drafters()[0], "verifier": lambda: deployment.verifier,
+                     "orchestrator": lambda: deployment.orchestrator}[kind]()
+            killed = time.monotonic()
+            ray.kill(actor, no_restart=False)
+            deadline = killed + 120
+            while not any(begun >= killed for begun, _ in list(done_at)):
+                assert time.monotonic() < deadline, f"no request succeeded within 120 s of killing the {kind}"
+                time.sleep(0.2)
+            recovery[kind] = min(end for begun, end in done_at if begun >= killed) - killed
+            time.sleep(1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(90)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert not wrong
+    assert set(outcomes) <= {"ok", "UNAVAILABLE"}, outcomes
+    print(f"chaos under Ray: requests {outcomes}; time to recover (s): "
+          + ", ".join(f"{kind} {s:.1f}" for kind, s in recovery.items()))
 
 
 def test_autoscaler_grows_and_shrinks_the_pool(deployment, tiny_pair, expected):
