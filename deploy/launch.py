@@ -32,6 +32,7 @@ class Service:
     process: subprocess.Popen | None = None
     admin_port: int | None = None  # the orchestrator's admin service
     credentials: grpc.ChannelCredentials | None = None  # how a client reaches it (None: plaintext)
+    metrics_port: int | None = None  # its Prometheus /metrics
 
     @property
     def address(self) -> str:
@@ -71,7 +72,11 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
     orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port), "--admin-port", str(admin_port),
                          "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
                          "--tokenizer", target, "--overlap" if overlap else "--no-overlap"]
-    return [verifier, *drafters, orchestrator]
+    services = [verifier, *drafters, orchestrator]
+    for service in services:
+        service.metrics_port = free_port()
+        service.argv += ["--metrics-port", str(service.metrics_port)]
+    return services
 
 
 def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
@@ -152,6 +157,8 @@ def up(args) -> int:
         wait_serving(services, args.startup_timeout)
         print(f"specdec is up: Generate at {services[-1].address} (admin: {services[-1].admin_address})",
               flush=True)
+        print("specdec up: metrics at " + ", ".join(f"{s.name} http://{HOST}:{s.metrics_port}/metrics"
+                                                  for s in services), flush=True)
         while not stopping:
             for service in services:
                 if service.process.poll() is not None:

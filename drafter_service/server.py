@@ -10,6 +10,7 @@ from specdec import flags, modeling, sampling, server
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.errors import InvalidArgument, ServiceError, abort
+from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
 from drafter_service.proposers import HybridProposer, ModelProposer, NgramProposer, Proposer
@@ -26,9 +27,9 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
         super().__init__()
         self.proposer: Proposer | None = None
 
-    def ready(self, proposer: Proposer, store: SessionStore) -> None:
+    def ready(self, proposer: Proposer, store: SessionStore, metrics=None) -> None:
         self.proposer = proposer
-        super().ready(proposer.info(), store)
+        super().ready(proposer.info(), store, metrics)
 
     async def Propose(self, request: drafter_pb2.ProposeRequest, context):
         try:
@@ -73,14 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_proposer(args) -> Proposer:
+def make_proposer(args, metrics=None) -> Proposer:
     if args.proposer == "ngram":
         return NgramProposer(args.ngram_max, args.ngram_min)
     if not args.model:
         raise SystemExit("--proposer model needs --model")
     model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
     output_ids = modeling.restrict_output(model, args.model)
-    proposer = ModelProposer(server.engine(model, args), tokenizer, args.model, args.max_draft_support, output_ids)
+    proposer = ModelProposer(server.engine(model, args, metrics), tokenizer, args.model, args.max_draft_support, output_ids)
     if args.proposer == "hybrid":
         return HybridProposer(proposer, NgramProposer(max(args.ngram_max, args.lookup_min_match),
                                                       args.lookup_min_match))
@@ -89,9 +90,11 @@ def make_proposer(args) -> Proposer:
 
 async def serve(args, on_listen=None) -> None:
     servicer = DrafterServicer()
+    metrics = EngineMetrics("drafter")
+    metrics.serve(args.host, args.metrics_port)
 
     async def load():
-        proposer = await asyncio.to_thread(make_proposer, args)
+        proposer = await asyncio.to_thread(make_proposer, args, metrics)
         # Warm up: a few drafts on a throwaway sequence, so the first request is not slow.
         seq = proposer.new_sequence()
         seq.sync(0, [0, 1, 0, 1])
@@ -99,7 +102,7 @@ async def serve(args, on_listen=None) -> None:
             pass
         proposer.release(seq)
         servicer.ready(proposer, SessionStore(proposer.new_sequence, args.max_sessions, args.session_idle_timeout,
-                                              release=proposer.release))
+                                              release=proposer.release), metrics)
 
     await server.serve(
         name="drafter", host=args.host, port=args.port,

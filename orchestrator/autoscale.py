@@ -33,8 +33,9 @@ class Policy:
 
 
 class Autoscaler:
-    def __init__(self, policy: Policy, pool: DrafterPool, source, interval_s: float = 1.0):
+    def __init__(self, policy: Policy, pool: DrafterPool, source, interval_s: float = 1.0, metrics=None):
         self.policy, self.pool, self.source, self.interval_s = policy, pool, source, interval_s
+        self.metrics = metrics  # specdec.metrics.OrchestratorMetrics, or None
         self.target = len(pool.replicas)  # the size last asked for (replicas may still be starting)
         self.wanted: deque[tuple[float, int]] = deque()  # (time, desired) over the last cool-down
         self.last_change = -math.inf
@@ -52,6 +53,8 @@ class Autoscaler:
         self.last_decision = (f"{time.strftime('%H:%M:%S')} {self.target} -> {want} drafters: {sessions} sessions, "
                               f"target {self.policy.target_sessions:g} per replica")
         log.info("autoscale: %s", self.last_decision)
+        if self.metrics is not None:
+            self.metrics.scaling.labels("up" if want > self.target else "down").inc()
         self.last_change = now
         self.target = await self.source.scale(want)
 

@@ -20,6 +20,7 @@ from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grp
 from orchestrator import discovery
 from orchestrator.autoscale import Autoscaler, Policy
 from orchestrator.endpoint import VerifierEndpoint
+from specdec.metrics import OrchestratorMetrics
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
 from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink, speculate
@@ -70,8 +71,9 @@ class Flight:
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
-    def __init__(self, limits: Limits):
+    def __init__(self, limits: Limits, metrics: OrchestratorMetrics | None = None):
         self.limits = limits
+        self.metrics = metrics or OrchestratorMetrics()
         self.costs = RoundCosts()  # what rounds cost here, learnt from every request
         self.tokenizer = None
         self.in_flight: dict[str, Flight] = {}  # by session id
@@ -167,6 +169,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 raise Overloaded(f"{len(self.in_flight)} requests in flight, the limit is "
                                  f"{self.limits.max_concurrent_requests}")
         except ServiceError as err:
+            self.metrics.requests.labels("error", err.code.name).inc()
             await abort(context, err)
         # The request's identity on the services is minted here, never taken from the
         # client: two requests with one label (two orchestrators, a reused id) share nothing.
@@ -174,7 +177,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         log.info("[%s] start: session %s, %d prompt tokens, max_new_tokens=%d, K=%s, temperature=%g",
                  req.label, session_id, len(req.prompt), req.max_new_tokens,
                  "adaptive" if req.k is None else req.k, req.params.temperature)
-        stats = Stats()
+        metrics, started = self.metrics, time.monotonic()
+        metrics.prompt_tokens.inc(len(req.prompt))
+        stats = Stats(on_round=metrics.round)
         deadline = Deadline(context.time_remaining())
         verifier = VerifierLink(self.verifier, session_id, req.params, stats, self.limits.verifier_timeout_s,
                                 retry_s=self.limits.verifier_retry_s, deadline=deadline)
@@ -182,6 +187,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                               deadline=deadline)
         text = TextStream(self.tokenizer, req.stop)
         self.in_flight[session_id] = Flight(req.label, session_id, drafter, text)
+        outcome, code, last = "cancelled", "CANCELLED", None  # what the finally records unless told otherwise
         try:
             policy = FixedK(req.k) if req.k is not None else AdaptiveK(
                 self.costs, self.limits.adaptive_max_k, self.limits.default_k)
@@ -191,6 +197,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             async with contextlib.aclosing(rounds):  # a stop string ends it early: stop its drafting too
                 async for new in rounds:
                     ids, delta = text.add(new)
+                    last = metrics.tokens(started, last, len(ids))
                     yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=delta))
                     if text.stop_hit is not None:
                         break
@@ -198,6 +205,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             if tail:
                 yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
             yield pb.GenerateResponse(result=self.result(req, text, stats))
+            outcome, code = "ok", "OK"
+            metrics.e2e.observe(time.monotonic() - started)
             log.info("[%s] done: %d tokens in %d rounds (by drafts: %s), acceptance %.2f, %d resyncs, %d drafter "
                      "failovers", req.label, len(text.ids), stats.rounds, dict(sorted(stats.rounds_by_k.items())),
                      _rate(stats), stats.resyncs, stats.drafter_failovers)
@@ -209,9 +218,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             # should not retry the first, should back off on the second, and knows the third.
             passed_on = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
-            code = err.code() if err.code() in passed_on else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, f"a service call failed: {err.details()}")
+            status = err.code() if err.code() in passed_on else grpc.StatusCode.UNAVAILABLE
+            outcome, code = "error", status.name
+            await context.abort(status, f"a service call failed: {err.details()}")
         finally:
+            metrics.finished(outcome, code, stats)
             del self.in_flight[session_id]
             # Release both sessions even when the client cancelled this call.
             task = asyncio.ensure_future(self.close_sessions(req.label, drafter, verifier))
@@ -300,14 +311,14 @@ def drafter_source(args):
     return discovery.StaticSource([a.strip() for a in args.drafters.split(",") if a.strip()])
 
 
-def autoscaler(args, pool: DrafterPool, source) -> "Autoscaler | None":
+def autoscaler(args, pool: DrafterPool, source, metrics: OrchestratorMetrics | None = None) -> "Autoscaler | None":
     if not args.autoscale:
         return None
     if not hasattr(source, "scale"):
         raise SystemExit("--autoscale needs drafters launched through Ray (--drafter-ray)")
     policy = Policy(args.autoscale_min_replicas, args.autoscale_max_replicas, args.autoscale_target_sessions,
                     args.autoscale_cooldown)
-    return Autoscaler(policy, pool, source)
+    return Autoscaler(policy, pool, source, metrics=metrics)
 
 
 def _rate(stats: Stats) -> float:
@@ -384,7 +395,9 @@ async def serve(args, on_listen=None) -> None:
     limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
                     args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests,
                     args.drafter_timeout, args.verifier_timeout, args.overlap, args.verifier_retry_timeout)
-    servicer = OrchestratorServicer(limits)
+    metrics = OrchestratorMetrics()
+    metrics.serve(args.host, args.metrics_port)
+    servicer = OrchestratorServicer(limits, metrics)
     admin = AdminServicer(servicer)
     locate_verifier = (discovery.ray_locator(args.verifier_ray, args.ray_namespace, args.ray_address)
                        if args.verifier_ray else None)
@@ -408,7 +421,12 @@ async def serve(args, on_listen=None) -> None:
             except grpc.aio.AioRpcError as err:
                 log.warning("drafter %s not reachable yet (%s); will retry", replica.address, err.code().name)
         servicer.ready(tokenizer, verifier, pool)
-        admin.ready(pool, source, autoscaler(args, pool, source))
+        metrics.in_flight.set_function(lambda: len(servicer.in_flight))
+        metrics.replicas.labels("true").set_function(
+            lambda: sum(r.healthy(time.monotonic()) for r in list(pool.replicas.values())))
+        metrics.replicas.labels("false").set_function(
+            lambda: sum(not r.healthy(time.monotonic()) for r in list(pool.replicas.values())))
+        admin.ready(pool, source, autoscaler(args, pool, source, metrics))
         log.info("target %s (vocabulary %d), %d drafter replica(s) (%s)", info.model_name, info.vocab_size,
                  len(addresses), source.kind)
 

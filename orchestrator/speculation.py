@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import grpc
 
@@ -61,6 +61,10 @@ class Stats:
     verify_s: float = 0.0  # and on the verifier
     pass_rows: int = 0  # rows of the verifier passes that ran the rounds, summed
     rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per number of drafts
+    drafter_resyncs: int = 0  # of resyncs, those of the drafter session
+    # Called after each round with (K asked, drafts verified, accepted, drafter call seconds
+    # or None, verifier call seconds): the deployment's metrics.
+    on_round: Callable[[int, int, int, float | None, float], None] | None = None
 
     def observe_pass(self, batch_pass: verifier_pb2.BatchPass | None) -> None:
         if batch_pass is not None:
@@ -188,6 +192,7 @@ class DrafterLink:
                     log.info("[%s] drafter resync: %s", self.session_id, err.details())
                     self.synced = 0
                     self.stats.resyncs += 1
+                    self.stats.drafter_resyncs += 1
                     continue
                 raise
             self.synced = committed
@@ -285,6 +290,9 @@ async def speculate(
             stats.draft_s += drafted - started
             stats.verify_s += verified - drafted
             stats.record(len(drafts), accepted)
+            if stats.on_round is not None:
+                stats.on_round(k_round, len(drafts), accepted, drafted - started if drafts else None,
+                               verified - drafted)
             if lookahead is not None:
                 ahead, lookahead = await lookahead.take(accepted, next_token), None
                 stats.draft_s += time.perf_counter() - verified

@@ -141,7 +141,8 @@ class Engine:
     """Runs one model for all sessions of a service; see the module docstring."""
 
     def __init__(self, model, kv_cache_bytes: int, max_batch_rows: int = 64, max_batch_tokens: int = 256,
-                 max_waiting: int = 64, block_size: int = 16, gather: float = 0.25, threads: int = 0):
+                 max_waiting: int = 64, block_size: int = 16, gather: float = 0.25, threads: int = 0,
+                 metrics=None):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be >= 1")
         check_supported(model)
@@ -163,6 +164,11 @@ class Engine:
         self.passes = self.rows = self.tokens = self.evictions = 0
         self.busy_s = 0.0
         self.logged = (time.monotonic(), 0, 0, 0, 0.0)
+        self.metrics = metrics  # specdec.metrics.EngineMetrics, or None
+        if metrics is not None:
+            metrics.follow(queue=lambda: sum(not w.in_pass for w in list(self.queue)),
+                           waiting=lambda: sum(not w.seq.admitted and not w.in_pass for w in list(self.queue)),
+                           kv_used=lambda: self.pool.capacity - len(self.pool.free), kv_total=self.pool.capacity)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.thread.start()
         log.info("KV pool: %d blocks of %d tokens (%d tokens, %.1f MiB at %d bytes per token); batches of up to "
@@ -331,6 +337,8 @@ class Engine:
             log.info("KV pool full: a session of %d tokens gives its blocks back (it recomputes later)",
                      len(victim.tokens))
             self.evictions += 1
+            if self.metrics is not None:
+                self.metrics.evictions.inc()
             self._evict(victim)
         if need > 0:
             seq.blocks.extend(pool.allocate(need))
@@ -405,6 +413,12 @@ class Engine:
         self.tokens += done.tokens
         self.busy_s += done.seconds
         self.pass_seconds = 0.9 * self.pass_seconds + 0.1 * done.seconds
+        if self.metrics is not None:
+            self.metrics.passes.observe(done.seconds)
+            self.metrics.rows.observe(done.rows)
+            self.metrics.tokens.observe(done.tokens)
+            if error is not None:
+                self.metrics.failed_passes.inc()
         now = time.monotonic()
         if now - self.logged[0] >= LOG_EVERY_S:
             passes = self.passes - self.logged[1]

@@ -45,6 +45,8 @@ def add_server_flags(parser: argparse.ArgumentParser, prefix: str, default_port:
         help="address to bind; 0.0.0.0 to serve other machines")
     add(parser, "--port", env=f"{prefix}_PORT", type=int, default=default_port, help="gRPC port")
     add(parser, "--log-level", env=f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
+    add(parser, "--metrics-port", env=f"{prefix}_METRICS_PORT", type=int, default=0,
+        help="HTTP port of Prometheus metrics (/metrics), on --host; 0: none")
     add(parser, "--shutdown-grace", env=f"{prefix}_SHUTDOWN_GRACE", type=float, default=30.0,
         help="seconds calls in flight get to finish after SIGTERM (keep it below Kubernetes' "
              "terminationGracePeriodSeconds)")

@@ -31,11 +31,11 @@ def security(args, auth_token_file: str = "") -> "Security":
     return Security(sec.server_credentials(args), tuple(sec.auth_interceptors(auth_token_file)), args.health_port)
 
 
-def engine(model, args) -> Engine:
+def engine(model, args, metrics=None) -> Engine:
     """The model's batching engine, sized by the session-service flags (and the model
     quantized as they say: the drafter cuts its output head first)."""
     return Engine(quantize(model, args.quantize), args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens,
-                  args.max_waiting_sessions, threads=args.threads)
+                  args.max_waiting_sessions, threads=args.threads, metrics=metrics)
 
 
 class SessionServicer:
@@ -49,8 +49,10 @@ class SessionServicer:
         self.info: common_pb2.ModelInfo | None = None
         self.store: SessionStore | None = None
 
-    def ready(self, info: common_pb2.ModelInfo, store: SessionStore) -> None:
+    def ready(self, info: common_pb2.ModelInfo, store: SessionStore, metrics=None) -> None:
         self.info, self.store = info, store
+        if metrics is not None:
+            metrics.sessions.set_function(lambda: len(store))
 
     def check_ready(self) -> None:
         if self.info is None:

@@ -11,6 +11,7 @@ import torch
 
 from specdec import flags, modeling, sampling, server
 from specdec.errors import InvalidArgument, ServiceError, abort
+from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
@@ -79,11 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(args, on_listen=None) -> None:
     servicer = VerifierServicer()
+    metrics = EngineMetrics("verifier")
+    metrics.serve(args.host, args.metrics_port)
 
     async def load():
         model, tokenizer = await asyncio.to_thread(modeling.load_model, args.model, args.dtype, args.device)
         info = modeling.model_info(model, tokenizer, args.model, "target")
-        engine = server.engine(model, args)
+        engine = server.engine(model, args, metrics)
         # Warm up: a prefill and a multi-token pass, so the first request is not slow.
         seq = engine.new_sequence()
         seq.sync(0, [0, 1, 0, 1])
@@ -92,7 +95,7 @@ async def serve(args, on_listen=None) -> None:
         await seq.logits(4)
         engine.release(seq)
         servicer.ready(info, SessionStore(engine.new_sequence, args.max_sessions, args.session_idle_timeout,
-                                          release=engine.release))
+                                          release=engine.release), metrics)
 
     await server.serve(
         name="verifier", host=args.host, port=args.port,

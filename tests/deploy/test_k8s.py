@@ -95,6 +95,11 @@ def test_structure_fits_the_code(overlay):
         assert (health_port != port) == (f"SPECDEC_{role}_TLS_CERT" in env), name
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == health_port, (name, probe)
+        # Prometheus finds the metrics port from the pod's annotations.
+        annotations = spec["template"]["metadata"]["annotations"]
+        (metrics_port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        assert int(annotations["prometheus.io/port"]) == metrics_port == int(env[f"SPECDEC_{role}_METRICS_PORT"])
         # Every file a variable names lies in a volume the container mounts.
         mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
         volumes = {v["name"] for v in spec["template"]["spec"].get("volumes", [])}
@@ -169,6 +174,7 @@ def test_cpu_overlay_commands_serve_generate(default_target):
         role = service.name.removeprefix("specdec-").upper()
         env[f"SPECDEC_{role}_HOST"], env[f"SPECDEC_{role}_PORT"] = HOST, str(service.port)
         env["SPECDEC_ORCHESTRATOR_ADMIN_PORT"] = "0"  # loopback, any free port
+        env[f"SPECDEC_{role}_METRICS_PORT"] = str(free_port())
         service.argv = [str(Path(sys.executable).parent / c["command"][0]), *c.get("args", [])]
         envs[service.name] = {**os.environ, **env}
     try:
