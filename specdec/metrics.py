@@ -63,7 +63,7 @@ class EngineMetrics(Metrics):
         self.queue = of(self.gauge, "queue_length", "calls waiting for a forward pass")
         self.waiting = of(self.gauge, "waiting_for_memory", "sessions waiting for KV memory")
         self.kv_used = of(self.gauge, "kv_blocks_used", "KV pool blocks held by sessions")
-        self.kv_total = of(self.gauge, "kv_blocks_total", "KV pool blocks")
+        self.kv_total = of(self.gauge, "kv_blocks_capacity", "KV pool blocks in all")
 
     def follow(self, queue: Callable[[], int], waiting: Callable[[], int], kv_used: Callable[[], int],
                kv_total: int) -> None:

@@ -78,7 +78,7 @@ def test_counters_equal_what_the_results_report(metered):
         assert value(samples, "specdec_batch_pass_seconds_count", service=service) > 0
         assert value(samples, "specdec_open_sessions", service=service) == 0
         assert value(samples, "specdec_kv_blocks_used", service=service) == 0
-        assert value(samples, "specdec_kv_blocks_total", service=service) > 0
+        assert value(samples, "specdec_kv_blocks_capacity", service=service) > 0
         assert value(samples, "process_resident_memory_bytes") > 0
 
 
