@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from specdec import flags, modeling, sampling, server
+from specdec import flags, logs, modeling, sampling, server
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.errors import InvalidArgument, ServiceError, abort
@@ -32,6 +32,7 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
         super().ready(proposer.info(), store, metrics)
 
     async def Propose(self, request: drafter_pb2.ProposeRequest, context):
+        logs.bind_from(context, request.session_id)
         try:
             self.check_ready()
             k = request.num_draft_tokens
@@ -118,5 +119,5 @@ async def serve(args, on_listen=None) -> None:
 
 def main() -> None:
     args = build_parser().parse_args()
-    flags.setup_logging(args.log_level, "drafter")
+    flags.setup_logging(args.log_level, "drafter", args.log_format)
     asyncio.run(serve(args))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec import flags, modeling, sampling, security, server
+from specdec import flags, logs, modeling, sampling, security, server
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Overloaded, Precondition, ServiceError, Unavailable, abort
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
@@ -174,6 +174,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         # The request's identity on the services is minted here, never taken from the
         # client: two requests with one label (two orchestrators, a reused id) share nothing.
         session_id = uuid.uuid4().hex
+        logs.bind(req.label, session_id)
         log.info("[%s] start: session %s, %d prompt tokens, max_new_tokens=%d, K=%s, temperature=%g",
                  req.label, session_id, len(req.prompt), req.max_new_tokens,
                  "adaptive" if req.k is None else req.k, req.params.temperature)
@@ -181,10 +182,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         metrics.prompt_tokens.inc(len(req.prompt))
         stats = Stats(on_round=metrics.round)
         deadline = Deadline(context.time_remaining())
+        labelled = logs.request_metadata(req.label)
         verifier = VerifierLink(self.verifier, session_id, req.params, stats, self.limits.verifier_timeout_s,
-                                retry_s=self.limits.verifier_retry_s, deadline=deadline)
+                                retry_s=self.limits.verifier_retry_s, deadline=deadline, metadata=labelled)
         drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
-                              deadline=deadline)
+                              deadline=deadline, metadata=labelled)
         text = TextStream(self.tokenizer, req.stop)
         self.in_flight[session_id] = Flight(req.label, session_id, drafter, text)
         outcome, code, last = "cancelled", "CANCELLED", None  # what the finally records unless told otherwise
@@ -459,7 +461,7 @@ async def serve(args, on_listen=None) -> None:
 
 def main() -> None:
     args = build_parser().parse_args()
-    flags.setup_logging(args.log_level, "orchestrator")
+    flags.setup_logging(args.log_level, "orchestrator", args.log_format)
     try:
         asyncio.run(serve(args))
     except IncompatiblePair as err:

@@ -88,8 +88,9 @@ class VerifierLink:
 
     def __init__(self, endpoint: "VerifierEndpoint", session_id: str,
                  params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retry_s: float = 15.0,
-                 deadline: Deadline = Deadline(None)):
+                 deadline: Deadline = Deadline(None), metadata=()):
         self.endpoint, self.session_id, self.params, self.stats = endpoint, session_id, params, stats
+        self.metadata = metadata  # the request's label, for the service's logs
         self.timeout_s, self.retry_s, self.deadline = timeout_s, retry_s, deadline
         self.synced = 0  # committed tokens the verifier is known to hold
 
@@ -103,7 +104,8 @@ class VerifierLink:
                 draft_tokens=drafts, draft_probs=qs, sampling=self.params)
             try:
                 # The endpoint's stub of the moment: a verifier that moved is reached where it is now.
-                response = await self.endpoint.stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s))
+                response = await self.endpoint.stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s),
+                                                           metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 if needs_resync(err.code(), err.details()) and self.synced > 0:
                     log.info("[%s] verifier resync: %s", self.session_id, err.details())
@@ -124,7 +126,7 @@ class VerifierLink:
 
     async def close(self) -> None:
         await self.endpoint.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id),
-                                              timeout=5)
+                                              timeout=5, metadata=self.metadata)
 
 
 class DrafterLink:
@@ -132,8 +134,9 @@ class DrafterLink:
     another (which resyncs); with none left the rounds go on without drafts."""
 
     def __init__(self, pool: DrafterPool, session_id: str, params: common_pb2.SamplingParams, stats: Stats,
-                 timeout_s: float, deadline: Deadline = Deadline(None)):
+                 timeout_s: float, deadline: Deadline = Deadline(None), metadata=()):
         self.pool, self.session_id, self.params, self.stats = pool, session_id, params, stats
+        self.metadata = metadata
         self.timeout_s, self.deadline = timeout_s, deadline
         self.replica: Replica | None = None
         self.synced = 0
@@ -183,7 +186,8 @@ class DrafterLink:
                 num_draft_tokens=k, sampling=self.params)
             drafts, qs = [], []
             try:
-                async for draft in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s)):
+                async for draft in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s),
+                                                             metadata=self.metadata):
                     drafts.append(draft.token_id)
                     if draft.HasField("q"):
                         qs.append(draft.q)
@@ -208,7 +212,7 @@ class DrafterLink:
             replica, self.replica = self.replica, None
             try:
                 await replica.stub.CloseSession(drafter_pb2.CloseSessionRequest(session_id=self.session_id),
-                                                timeout=5)
+                                                timeout=5, metadata=self.metadata)
             finally:
                 self.pool.release(replica)
 

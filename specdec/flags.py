@@ -1,7 +1,6 @@
 """Command-line flags with environment-variable twins (flag wins over variable)."""
 
 import argparse
-import logging
 import os
 import re
 
@@ -45,6 +44,8 @@ def add_server_flags(parser: argparse.ArgumentParser, prefix: str, default_port:
         help="address to bind; 0.0.0.0 to serve other machines")
     add(parser, "--port", env=f"{prefix}_PORT", type=int, default=default_port, help="gRPC port")
     add(parser, "--log-level", env=f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
+    add(parser, "--log-format", env=f"{prefix}_LOG_FORMAT", default="text", choices=["text", "json"],
+        help="json: one object per line, with the request id and session id on a request's lines")
     add(parser, "--metrics-port", env=f"{prefix}_METRICS_PORT", type=int, default=0,
         help="HTTP port of Prometheus metrics (/metrics), on --host; 0: none")
     add(parser, "--shutdown-grace", env=f"{prefix}_SHUTDOWN_GRACE", type=float, default=30.0,
@@ -80,8 +81,7 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
         help="tokens one forward pass computes; a longer prefill runs in chunks between other sessions' rounds")
 
 
-def setup_logging(level: str, service: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
-    )
+def setup_logging(level: str, service: str, fmt: str = "text") -> None:
+    from specdec import logs
+
+    logs.setup(level, service, fmt)

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec import logs
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine
 from specdec.errors import RESYNC_DETAIL, Internal, ServiceError, Unavailable, abort
@@ -81,6 +82,7 @@ class SessionServicer:
             for s in sessions])
 
     async def CloseSession(self, request, context):
+        logs.bind_from(context, request.session_id)
         closed = self.store is not None and self.store.close(request.session_id)
         return self.pb.CloseSessionResponse(closed=closed)
 

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from specdec import flags, modeling, sampling, server
+from specdec import flags, logs, modeling, sampling, server
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
@@ -47,6 +47,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
     pb = verifier_pb2
 
     async def Verify(self, request: verifier_pb2.VerifyRequest, context):
+        logs.bind_from(context, request.session_id)
         try:
             self.check_ready()
             if len(request.draft_tokens) > MAX_DRAFT_TOKENS:
@@ -112,5 +113,5 @@ async def serve(args, on_listen=None) -> None:
 def main() -> None:
     torch.set_grad_enabled(False)
     args = build_parser().parse_args()
-    flags.setup_logging(args.log_level, "verifier")
+    flags.setup_logging(args.log_level, "verifier", args.log_format)
     asyncio.run(serve(args))

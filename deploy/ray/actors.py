@@ -25,7 +25,7 @@ class ServiceActor:
     def __init__(self, service: str, argv: list[str]):
         module = importlib.import_module(MODULES[service])
         args = module.build_parser().parse_args(argv)
-        flags.setup_logging(args.log_level, service)
+        flags.setup_logging(args.log_level, service, args.log_format)
         self.error: BaseException | None = None
         listening = threading.Event()
 

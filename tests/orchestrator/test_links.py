@@ -27,7 +27,7 @@ class FakeVerifier:
     def __init__(self, *outcomes):
         self.outcomes, self.requests, self.timeouts = list(outcomes), [], []
 
-    async def Verify(self, request, timeout=None):
+    async def Verify(self, request, timeout=None, metadata=None):
         self.requests.append(request)
         self.timeouts.append(timeout)
         outcome = self.outcomes.pop(0)
@@ -85,7 +85,7 @@ class FakeDrafter:
     def __init__(self, failure: grpc.aio.AioRpcError | None):
         self.failure, self.calls = failure, 0
 
-    def Propose(self, request, timeout=None):
+    def Propose(self, request, timeout=None, metadata=None):
         self.calls += 1
         failure = self.failure
 
