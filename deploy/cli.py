@@ -98,7 +98,8 @@ def ray_command(args) -> int:
                 verifier_gpus=args.verifier_gpus, verifier_cpus=args.verifier_cpus, drafter_cpus=args.drafter_cpus,
                 orchestrator_cpus=args.orchestrator_cpus, dtype=args.dtype, device=args.device,
                 verifier_flags=verifier_flags, drafter_flags=drafter_flags,
-                orchestrator_flags=["--overlap" if args.overlap else "--no-overlap"], autoscale=autoscale,
+                orchestrator_flags=["--overlap" if args.overlap else "--no-overlap", "--http-port", str(args.http_port)],
+                autoscale=autoscale,
                 admin_port=args.admin_port,
                 startup_timeout_s=args.startup_timeout)
         except (launcher.PlacementError, TimeoutError) as err:
@@ -106,7 +107,8 @@ def ray_command(args) -> int:
             ray.shutdown()
             return 2
         print(f"specdec is up: Generate at {deployment.address} (on Ray, in {time.monotonic() - started:.1f} s; "
-              f"admin at {deployment.admin_address} on the orchestrator's node)", flush=True)
+              f"admin at {deployment.admin_address} on the orchestrator's node; OpenAI-compatible API on port "
+              f"{args.http_port})", flush=True)
         stop = []
         # Handlers of our own: a process started in the background inherits SIGINT ignored,
         # and Python then raises no KeyboardInterrupt.
@@ -161,6 +163,8 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
               help="seconds to wait for every service to serve")
     flags.add(p, "--admin-port", env="SPECDEC_ADMIN_PORT", type=int, default=50050,
               help="the orchestrator's admin port, on loopback of its machine")
+    flags.add(p, "--http-port", env="SPECDEC_HTTP_PORT", type=int, default=8000,
+              help="the orchestrator's OpenAI-compatible HTTP API (/v1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

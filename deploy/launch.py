@@ -33,6 +33,7 @@ class Service:
     admin_port: int | None = None  # the orchestrator's admin service
     credentials: grpc.ChannelCredentials | None = None  # how a client reaches it (None: plaintext)
     metrics_port: int | None = None  # its Prometheus /metrics
+    http_port: int | None = None  # the orchestrator's OpenAI-compatible API
 
     @property
     def address(self) -> str:
@@ -49,7 +50,8 @@ VERIFIER_THREADS, DRAFTER_THREADS = max(1, (os.cpu_count() or 2) // 2), 1
 
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
          device: str = "cpu", overlap: bool = False, verifier_flags: list[str] = (),
-         drafter_flags: list[str] = (), admin_port: int | None = None) -> list[Service]:
+         drafter_flags: list[str] = (), admin_port: int | None = None, http_port: int | None = None
+         ) -> list[Service]:
     """The processes of one deployment; `draft` is "ngram" or a draft model. They share
     this machine's cores: the verifier's passes get half of them, each drafter's one (a
     pass's threads wait for each other at every operation, so a thread whose core is
@@ -69,7 +71,9 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
         drafters.append(d)
     admin_port = admin_port or free_port()  # `specdec up` gives one; the benchmarks' deployments any free one
     orchestrator = Service("orchestrator", port, [], admin_port=admin_port)
+    orchestrator.http_port = http_port or free_port()
     orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port), "--admin-port", str(admin_port),
+                         "--http-port", str(orchestrator.http_port),
                          "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
                          "--tokenizer", target, "--overlap" if overlap else "--no-overlap"]
     services = [verifier, *drafters, orchestrator]
@@ -140,7 +144,7 @@ def up(args) -> int:
     verifier_flags, drafter_flags = service_flags(args)
     services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device or "cpu",
                     args.overlap, verifier_flags=verifier_flags, drafter_flags=drafter_flags,
-                    admin_port=args.admin_port)
+                    admin_port=args.admin_port, http_port=args.http_port)
     stopping = False
 
     def on_signal(signum, frame):
@@ -157,6 +161,7 @@ def up(args) -> int:
         wait_serving(services, args.startup_timeout)
         print(f"specdec is up: Generate at {services[-1].address} (admin: {services[-1].admin_address})",
               flush=True)
+        print(f"specdec up: OpenAI-compatible API at http://{HOST}:{services[-1].http_port}/v1", flush=True)
         print("specdec up: metrics at " + ", ".join(f"{s.name} http://{HOST}:{s.metrics_port}/metrics"
                                                   for s in services), flush=True)
         while not stopping:

@@ -19,7 +19,9 @@ from specdec.errors import InvalidArgument, Overloaded, Precondition, ServiceErr
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from orchestrator import discovery
 from orchestrator.autoscale import Autoscaler, Policy
+from orchestrator import openai_api
 from orchestrator.endpoint import VerifierEndpoint
+from orchestrator.openai_api import OpenAIFront
 from specdec.metrics import OrchestratorMetrics
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
@@ -336,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
              "off the network")
     add(parser, "--admin-port", env="SPECDEC_ORCHESTRATOR_ADMIN_PORT", type=int, default=50050,
         help="the admin service's port (0: any free port)")
+    add(parser, "--http-port", env="SPECDEC_ORCHESTRATOR_HTTP_PORT", type=int, default=0,
+        help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models), on "
+             "--host, with the same TLS and tokens as gRPC; 0: none")
+    add(parser, "--served-model-name", env="SPECDEC_SERVED_MODEL_NAME", default="",
+        help="the model id the HTTP API lists and expects (default: the verifier's model name)")
     add(parser, "--auth-token-file", env="SPECDEC_ORCHESTRATOR_AUTH_TOKEN_FILE", default="",
         help="file of bearer tokens, one per line: Generate, Complete and the admin service then need "
              "'authorization: Bearer <token>' (health and reflection stay open)")
@@ -432,6 +439,17 @@ async def serve(args, on_listen=None) -> None:
         log.info("target %s (vocabulary %d), %d drafter replica(s) (%s)", info.model_name, info.vocab_size,
                  len(addresses), source.kind)
 
+    async def http():
+        if not args.http_port:
+            return
+        tokens = security.load_tokens(args.auth_token_file) if args.auth_token_file else []
+        front = OpenAIFront(servicer, args.served_model_name or servicer.info.model_name, tokens)
+        runner = await openai_api.serve(front.app(), args.host, args.http_port, security.ssl_context(args))
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
     async def watch_verifier():
         await servicer.verifier.watch(args.drafter_refresh_interval, locate_verifier)
 
@@ -453,7 +471,7 @@ async def serve(args, on_listen=None) -> None:
         load=load,
         on_listen=on_listen,
         grace_s=args.shutdown_grace,
-        background=[watch_verifier, follow_drafters, autoscale],
+        background=[watch_verifier, follow_drafters, autoscale, http],
         security=server.security(args, args.auth_token_file),
         serving=lambda: servicer.tokenizer is None or servicer.verifier.problem is None,
     )

@@ -94,6 +94,29 @@ def load_tokens(path: str) -> list[bytes]:
     return tokens
 
 
+def bearer_ok(authorization: str, tokens: list[bytes]) -> bool:
+    """Whether an `Authorization` value is `Bearer <one of the tokens>`."""
+    scheme, _, token = authorization.partition(" ")
+    presented = token.strip().encode()
+    # Compared with every token in constant time: no early exit tells which one is near.
+    matches = [hmac.compare_digest(presented, t) for t in tokens]
+    return scheme.lower() == "bearer" and any(matches)
+
+
+def ssl_context(args):
+    """The TLS of an HTTP port, from the service's --tls-* flags (None: plaintext)."""
+    import ssl
+
+    if not (args.tls_cert and args.tls_key):
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(args.tls_cert, args.tls_key)
+    if args.tls_client_ca:
+        context.load_verify_locations(args.tls_client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
 class BearerAuth(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for a call without `authorization: Bearer <one of the tokens>`,
     except to the open services (health, reflection)."""
@@ -115,11 +138,7 @@ class BearerAuth(grpc.aio.ServerInterceptor):
     def allowed(self, metadata) -> bool:
         for key, value in metadata or ():
             if key == "authorization":
-                scheme, _, token = (value if isinstance(value, str) else value.decode()).partition(" ")
-                presented = token.strip().encode()
-                # Compare with every token in constant time: no early exit tells which is near.
-                matches = [hmac.compare_digest(presented, t) for t in self.tokens]
-                return scheme.lower() == "bearer" and any(matches)
+                return bearer_ok(value if isinstance(value, str) else value.decode(), self.tokens)
         return False
 
     async def intercept_service(self, continuation, details):

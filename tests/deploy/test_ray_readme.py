@@ -32,7 +32,8 @@ def env():
     port, admin = free_port(), free_port()
     # The commands stay as written; only the ports they agree on are moved off 50051 and 50050.
     return {**os.environ, "SPECDEC_PORT": str(port), "SPECDEC_ADDRESS": f"127.0.0.1:{port}", "PYTHONUNBUFFERED": "1",
-            "SPECDEC_ADMIN_PORT": str(admin), "SPECDEC_ADMIN_ADDRESS": f"127.0.0.1:{admin}", "RAY_ADDRESS": ""}
+            "SPECDEC_ADMIN_PORT": str(admin), "SPECDEC_ADMIN_ADDRESS": f"127.0.0.1:{admin}",
+            "SPECDEC_HTTP_PORT": str(free_port()), "RAY_ADDRESS": ""}
 
 
 def run(args: list[str], env, timeout=180) -> subprocess.CompletedProcess:

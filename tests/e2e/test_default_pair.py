@@ -21,14 +21,20 @@ QUESTIONS = ["What is the capital of France?", "List three colors, then list the
 MAX_NEW = 24
 
 
+HTTP_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def up():
     port = free_port()
-    process = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "up", "--port", str(port)],
+    process = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "up", "--port", str(port),
+                                "--http-port", str(HTTP_PORT), "--admin-port", str(free_port())],
                                stdout=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()  # the launcher prints its address once all serve
         assert f"127.0.0.1:{port}" in line, line
+        line = process.stdout.readline()
+        assert f"http://127.0.0.1:{HTTP_PORT}/v1" in line, line
         assert health_status(f"127.0.0.1:{port}") == health_pb2.HealthCheckResponse.SERVING
         yield f"127.0.0.1:{port}"
     finally:
@@ -64,3 +70,16 @@ def test_cli_generate_streams_the_text(up, target):
     assert done.returncode == 0, done.stderr
     assert done.stdout == want + "\n"
     assert "tokens/s" in done.stderr
+
+
+def test_the_openai_client_streams_a_chat_completion(up, target):
+    openai = pytest.importorskip("openai")
+    model, tokenizer = target
+    question = QUESTIONS[1]
+    want = tokenizer.decode(reference(model, chat_ids(tokenizer, question), MAX_NEW), skip_special_tokens=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="none", max_retries=0)
+    (served,) = client.models.list().data
+    stream = client.chat.completions.create(model=served.id, messages=[{"role": "user", "content": question}],
+                                            max_tokens=MAX_NEW, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == want
+    client.close()

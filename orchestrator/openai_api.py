@@ -1,0 +1,277 @@
+"""An OpenAI-compatible HTTP front on the orchestrator (`--http-port`): `/v1/models`,
+`/v1/completions` and `/v1/chat/completions`, streamed (server-sent events) or not. It
+is a second door to the same generation as gRPC `Generate`: the same validation, limits,
+metrics and exactness. Errors come in OpenAI's shape. Beyond OpenAI's fields, a request
+may carry `top_k` and `specdec: {"num_speculative_tokens": K}`; every response carries
+`specdec`: the request's speculation statistics."""
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+
+import grpc
+from aiohttp import web
+
+from specdec import security
+from specdec.orchestrator.v1 import orchestrator_pb2 as pb
+
+log = logging.getLogger("orchestrator.http")
+
+STATUS = {  # gRPC code -> (HTTP status, OpenAI error type)
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+}
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+class Refused(Exception):
+    """A request refused, with the gRPC code the same request would get on Generate."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message = code, message
+        self.param = param if param is not None else (message.split(":", 1)[0] if ":" in message else None)
+
+
+class _Context:
+    """What the servicer needs of a gRPC context, for a call that came over HTTP."""
+
+    def time_remaining(self):
+        return None
+
+    async def abort(self, code, details):
+        raise Refused(code, details)
+
+
+def error(err: Refused) -> web.Response:
+    status, kind = STATUS.get(err.code, (500, "api_error"))
+    if err.param and err.param.startswith("chat.messages"):  # the gRPC field's name for OpenAI's
+        err.param = err.param.removeprefix("chat.")
+    return web.json_response({"error": {"message": err.message, "type": kind, "param": err.param,
+                                        "code": err.code.name.lower()}}, status=status)
+
+
+def _field(body: dict, name: str, kinds, default=None):
+    """body[name] if it has one of the types `kinds` (a bool is not an int here)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must be {' or '.join(k.__name__ for k in kinds)}",
+                      name)
+    return value
+
+
+class OpenAIFront:
+    def __init__(self, servicer, model_name: str, tokens: list[bytes]):
+        self.servicer, self.model_name, self.tokens = servicer, model_name, tokens
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.guard], client_max_size=4 * 1024 * 1024)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler):
+        try:
+            if self.tokens and not security.bearer_ok(request.headers.get("Authorization", ""), self.tokens):
+                raise Refused(grpc.StatusCode.UNAUTHENTICATED, "a bearer token is required (Authorization: "
+                                                              "Bearer ...)", "")
+            return await handler(request)
+        except Refused as err:
+            return error(err)
+        except web.HTTPException as err:
+            return web.json_response({"error": {"message": err.reason, "type": "invalid_request_error",
+                                                "param": None, "code": None}}, status=err.status)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec"}]})
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the body is not JSON", "")
+        if not isinstance(body, dict):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the body must be a JSON object", "")
+        model = body.get("model")
+        if model != self.model_name:
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"model: {model!r} is not served here; this server serves "
+                                                     f"{self.model_name!r} (GET /v1/models)", "model")
+        if _field(body, "n", int, 1) != 1:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "n: only 1 choice per request", "n")
+        for unsupported in ("logprobs", "top_logprobs", "best_of", "echo", "suffix", "tools", "functions"):
+            if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{unsupported}: not supported", unsupported)
+        return body
+
+    def _request(self, body: dict, max_tokens_field: str = "max_tokens") -> pb.GenerateRequest:
+        """The GenerateRequest of the common sampling fields (the prompt is set by the caller)."""
+        request = pb.GenerateRequest(request_id=str(_field(body, "user", str, "") or ""))
+        max_tokens = _field(body, max_tokens_field, int)
+        if max_tokens is None and max_tokens_field != "max_tokens":
+            max_tokens = _field(body, "max_tokens", int)
+        if max_tokens is not None:
+            request.max_new_tokens = max_tokens
+        for name in ("temperature", "top_p"):
+            value = _field(body, name, (int, float))
+            if value is not None:
+                setattr(request, name, float(value))
+        top_k = _field(body, "top_k", int)
+        if top_k is not None:
+            request.top_k = top_k
+        seed = _field(body, "seed", int)
+        if seed is not None:
+            if seed < 0:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "seed: must be >= 0", "seed")
+            request.seed = seed
+        stop = _field(body, "stop", (str, list))
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else stop
+            if not all(isinstance(s, str) for s in stops):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "stop: strings only", "stop")
+            request.stop.extend(stops)
+        extension = _field(body, "specdec", dict, {}) or {}
+        k = extension.get("num_speculative_tokens")
+        if k is not None:
+            if not isinstance(k, int) or isinstance(k, bool):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "specdec.num_speculative_tokens: an integer",
+                              "specdec.num_speculative_tokens")
+            request.num_speculative_tokens = k
+        return request
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        generate = self._request(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a batch of one
+        if isinstance(prompt, str):
+            generate.text = prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            generate.token_ids.ids.extend(prompt)
+        else:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "prompt: one string or one list of token ids", "prompt")
+        return await self._respond(request, body, generate, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        generate = self._request(body, "max_completion_tokens")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "messages: a non-empty list", "messages")
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].content: text parts only",
+                                  f"messages[{i}].content")
+                content = "".join(p.get("text", "") for p in content)
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}]: needs a role and text content",
+                              f"messages[{i}]")
+            role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for it
+            generate.chat.messages.add(role=role, content=content)
+        return await self._respond(request, body, generate, chat=True)
+
+    async def _respond(self, request: web.Request, body: dict, generate: pb.GenerateRequest,
+                       chat: bool) -> web.StreamResponse:
+        stream = bool(_field(body, "stream", bool, False))
+        usage_in_stream = bool((_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
+        async with contextlib.aclosing(self.servicer.generate(generate, _Context())) as events:
+            return await self._answer(request, events, chat, stream, usage_in_stream)
+
+    async def _answer(self, request: web.Request, events, chat: bool, stream: bool,
+                      usage_in_stream: bool) -> web.StreamResponse:
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if not stream:
+            text, result = [], None
+            async for event in events:
+                if event.HasField("chunk"):
+                    text.append(event.chunk.text)
+                else:
+                    result = event.result
+            choice = {"index": 0, "finish_reason": FINISH.get(result.finish_reason, "stop")}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(text)}
+            else:
+                choice.update(text="".join(text), logprobs=None)
+            return web.json_response({"id": ident, "object": kind, "created": created, "model": self.model_name,
+                                      "choices": [choice], "usage": _usage(result), "specdec": _stats(result)})
+
+        # Streamed: the first event decides between an error response and the stream.
+        first = await events.__anext__()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        kind += ".chunk" if chat else ""
+
+        async def send(delta: dict | None = None, finish=None, extra=None):
+            choice = {"index": 0, "finish_reason": finish}
+            if chat:
+                choice["delta"] = delta or {}
+            else:
+                choice.update(text=(delta or {}).get("content", ""), logprobs=None)
+            event = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [choice],
+                     **(extra or {})}
+            await response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+
+        if chat:
+            await send({"role": "assistant", "content": ""})
+        event = first
+        try:
+            while True:
+                if event.HasField("chunk"):
+                    if event.chunk.text:
+                        await send({"content": event.chunk.text})
+                else:
+                    result = event.result
+                    await send({}, FINISH.get(result.finish_reason, "stop"), {"specdec": _stats(result)})
+                    if usage_in_stream:
+                        await response.write(("data: " + json.dumps({
+                            "id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [],
+                            "usage": _usage(result)}) + "\n\n").encode())
+                event = await events.__anext__()
+        except StopAsyncIteration:
+            pass
+        except Refused as err:  # after the stream began: an error event, as OpenAI's servers send
+            status, kind_ = STATUS.get(err.code, (500, "api_error"))
+            await response.write(("data: " + json.dumps({"error": {"message": err.message, "type": kind_,
+                                                                   "code": err.code.name.lower()}}) + "\n\n").encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _usage(result: pb.Result) -> dict:
+    return {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
+            "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens}
+
+
+def _stats(result: pb.Result) -> dict:
+    s = result.stats
+    return {"rounds": s.rounds, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": round(s.acceptance_rate, 6), "accepted_per_position": list(s.accepted_per_position),
+            "resyncs": s.resyncs, "drafter_failovers": s.drafter_failovers}
+
+
+async def serve(app: web.Application, host: str, port: int, ssl_context=None) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    log.info("OpenAI-compatible API on http%s://%s:%d/v1", "s" if ssl_context else "", host, port)
+    return runner

@@ -1,0 +1,98 @@
+"""The OpenAI-compatible HTTP API, through the official `openai` client: the same
+generation as gRPC Generate (exact), streamed and not, chat and plain completions, the
+specdec extension, tokens, and errors in OpenAI's shape."""
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from cluster import Cluster, drafter, generate, orchestrator, pb, reference, verifier  # noqa: E402
+from deploy.launch import free_port  # noqa: E402
+
+TOKEN = "sk-specdec-test"
+MODEL = "tiny-target"
+
+
+@pytest.fixture(scope="module")
+def api(tiny_pair, tmp_path_factory):
+    target_dir, draft_dir, _ = tiny_pair
+    tokens = tmp_path_factory.mktemp("openai") / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    v, d = verifier(target_dir, "openai-verifier"), drafter(draft_dir, "openai-drafter")
+    cluster = Cluster()
+    cluster.start(v, d)
+    port = free_port()
+    o = orchestrator(v, [d], target_dir, "openai-orchestrator", extra=[
+        "--http-port", str(port), "--served-model-name", MODEL, "--auth-token-file", str(tokens)])
+    cluster.start(o)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    yield cluster, o, client, port
+    client.close()
+    cluster.close()
+
+
+def grpc_generate(cluster, o, **fields):
+    return generate(cluster.orchestrator_stub(o), metadata=[("authorization", f"Bearer {TOKEN}")], **fields)[1]
+
+
+def test_models_lists_the_served_model(api):
+    _, _, client, _ = api
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_is_the_same_generation_as_grpc(api, tiny_pair, smol_tokenizer):
+    cluster, o, client, _ = api
+    prompt = "The tide comes in and"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                    extra_body={"specdec": {"num_speculative_tokens": 3}})
+    want = reference(tiny_pair[2], smol_tokenizer(prompt)["input_ids"], 20)
+    result = grpc_generate(cluster, o, text=prompt, max_new_tokens=20)
+    assert list(result.token_ids) == want
+    assert out.choices[0].text == result.text
+    assert out.usage.completion_tokens == 20 and out.usage.prompt_tokens == result.usage.prompt_tokens
+    assert out.choices[0].finish_reason == "length"
+    assert out.model_extra["specdec"]["draft_tokens"] > 0  # the extension: K = 3 drafted
+
+
+def test_streamed_chat_equals_the_unstreamed_one(api):
+    cluster, o, client, _ = api
+    messages = [{"role": "user", "content": "Tell me about boats."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    deltas, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            deltas.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(deltas) == whole.choices[0].message.content and len(deltas) > 2
+    assert whole.choices[0].message.role == "assistant"
+    assert finish == whole.choices[0].finish_reason and usage.completion_tokens == whole.usage.completion_tokens
+    result = grpc_generate(cluster, o, chat=pb.Chat(messages=[pb.ChatMessage(role="user",
+                                                                            content="Tell me about boats.")]),
+                           max_new_tokens=24)
+    assert whole.choices[0].message.content == result.text
+
+
+def test_sampling_with_a_seed_is_reproducible(api):
+    _, _, client, _ = api
+    ask = dict(model=MODEL, prompt="Colors:", max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    assert client.completions.create(**ask).choices[0].text == client.completions.create(**ask).choices[0].text
+
+
+def test_errors_come_in_openais_shape(api):
+    _, _, client, port = api
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert err.value.body["param"] == "temperature" and err.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
+    assert err.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+    stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.models.list()
+    stranger.close()
