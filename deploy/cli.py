@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("bench-load", "many concurrent streams: batched, K fixed or load-aware, against no "
                                       "batching (--help for its flags)")):
         sub.add_parser(name, help=help, add_help=False)
+    sub.add_parser("top", help="a live view of a deployment from its metrics endpoints (--help for its flags)",
+                   add_help=False)
     return parser
 
 
@@ -252,6 +254,10 @@ def main(argv=None) -> None:
         from deploy import bench_load
 
         bench_load.main(rest)
+    if args.command == "top":
+        from deploy import top
+
+        raise SystemExit(top.main(rest))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "up":

@@ -134,3 +134,24 @@ def test_prometheus_computes_the_acceptance_rate_the_results_report(metered, tmp
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_specdec_top_shows_the_traffic(metered, smol_tokenizer):
+    from deploy import top
+
+    cluster, services, ports, _ = metered
+    urls = [f"http://{HOST}:{ports[name]}/metrics" for name in ("orchestrator", "verifier", "drafter")]
+    before = {url: top.scrape(url) for url in urls}
+    started = time.monotonic()
+    stats = []
+    for prompt in PROMPTS:
+        ids = smol_tokenizer(prompt)["input_ids"]
+        stats.append(generate(cluster.orchestrator_stub(services["orchestrator"]), token_ids=pb.TokenIds(ids=ids),
+                              max_new_tokens=20, num_speculative_tokens=3)[1].stats)
+    now = {url: top.scrape(url) for url in urls}
+    screen = top.frame(urls, before, now, time.monotonic() - started)
+    print(screen)
+    rate = sum(s.accepted_tokens for s in stats) / sum(s.draft_tokens for s in stats)
+    assert f"accepted   {rate:.2f} of drafts" in screen
+    assert f" over {sum(s.rounds for s in stats)} rounds" in screen
+    assert "verifier" in screen and "drafter" in screen and "0 sessions" in screen
