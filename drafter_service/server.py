@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from specdec import flags, logs, modeling, sampling, server
+from specdec import flags, logs, modeling, sampling, server, tracing
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.errors import InvalidArgument, ServiceError, abort
@@ -44,11 +44,13 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
             check_length("new_tokens", request.start + len(request.new_tokens), self.info)
             session = self.store.get(request.session_id, request.start)
-            async with self.model_work(session) as seq:  # a cancelled call's last step ends before the next syncs
-                seq.sync(request.start, list(request.new_tokens))
-                k = min(k, self.info.max_positions - len(seq.tokens))
-                async for token, q in self.proposer.propose(seq, k, request.sampling):
-                    yield drafter_pb2.ProposeResponse(token_id=token, q=q)
+            with tracing.server_span("drafter.Propose", context, session_id=request.session_id, k=k,
+                                     new_tokens=len(request.new_tokens)):
+                async with self.model_work(session) as seq:  # a cancelled call's last step ends before the next
+                    seq.sync(request.start, list(request.new_tokens))
+                    k = min(k, self.info.max_positions - len(seq.tokens))
+                    async for token, q in self.proposer.propose(seq, k, request.sampling):
+                        yield drafter_pb2.ProposeResponse(token_id=token, q=q)
         except ServiceError as err:
             await abort(context, err)
 
@@ -90,6 +92,7 @@ def make_proposer(args, metrics=None) -> Proposer:
 
 
 async def serve(args, on_listen=None) -> None:
+    tracing.setup("drafter", args.otlp_endpoint)
     servicer = DrafterServicer()
     metrics = EngineMetrics("drafter")
     metrics.serve(args.host, args.metrics_port)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec import flags, logs, modeling, sampling, security, server
+from opentelemetry import trace
+
+from specdec import flags, logs, modeling, sampling, security, server, tracing
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Overloaded, Precondition, ServiceError, Unavailable, abort
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
@@ -192,12 +194,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         text = TextStream(self.tokenizer, req.stop)
         self.in_flight[session_id] = Flight(req.label, session_id, drafter, text)
         outcome, code, last = "cancelled", "CANCELLED", None  # what the finally records unless told otherwise
+        span = tracing.tracer.start_span("Generate", context=tracing.incoming(context), kind=trace.SpanKind.SERVER,
+                                         attributes={"request_id": req.label, "session_id": session_id,
+                                                     "prompt_tokens": len(req.prompt)})
         try:
             policy = FixedK(req.k) if req.k is not None else AdaptiveK(
                 self.costs, self.limits.adaptive_max_k, self.limits.default_k)
             rounds = speculate(req.prompt, req.max_new_tokens, policy, set(self.info.eos_token_ids), drafter,
-                               verifier, stats,
-                               overlap=self.limits.overlap)
+                               verifier, stats, overlap=self.limits.overlap,
+                               trace_context=trace.set_span_in_context(span))
             async with contextlib.aclosing(rounds):  # a stop string ends it early: stop its drafting too
                 async for new in rounds:
                     ids, delta = text.add(new)
@@ -227,6 +232,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             await context.abort(status, f"a service call failed: {err.details()}")
         finally:
             metrics.finished(outcome, code, stats)
+            span.set_attributes({"outcome": outcome, "code": code, "completion_tokens": len(text.ids)})
+            span.end()
             del self.in_flight[session_id]
             # Release both sessions even when the client cancelled this call.
             task = asyncio.ensure_future(self.close_sessions(req.label, drafter, verifier))
@@ -404,6 +411,7 @@ async def serve(args, on_listen=None) -> None:
     limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
                     args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests,
                     args.drafter_timeout, args.verifier_timeout, args.overlap, args.verifier_retry_timeout)
+    tracing.setup("orchestrator", args.otlp_endpoint)
     metrics = OrchestratorMetrics()
     metrics.serve(args.host, args.metrics_port)
     servicer = OrchestratorServicer(limits, metrics)

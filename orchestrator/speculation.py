@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import grpc
+from opentelemetry import context as otel_context, trace
 
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
+from specdec import tracing
 from specdec.errors import needs_resync
 from specdec.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
@@ -105,7 +107,7 @@ class VerifierLink:
             try:
                 # The endpoint's stub of the moment: a verifier that moved is reached where it is now.
                 response = await self.endpoint.stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s),
-                                                           metadata=self.metadata)
+                                                           metadata=self.metadata + tracing.headers())
             except grpc.aio.AioRpcError as err:
                 if needs_resync(err.code(), err.details()) and self.synced > 0:
                     log.info("[%s] verifier resync: %s", self.session_id, err.details())
@@ -187,7 +189,7 @@ class DrafterLink:
             drafts, qs = [], []
             try:
                 async for draft in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s),
-                                                             metadata=self.metadata):
+                                                             metadata=self.metadata + tracing.headers()):
                     drafts.append(draft.token_id)
                     if draft.HasField("q"):
                         qs.append(draft.q)
@@ -257,6 +259,7 @@ async def speculate(
     verifier: VerifierLink,
     stats: Stats,
     overlap: bool = False,
+    trace_context=None,
 ) -> AsyncIterator[list[int]]:
     """Yields the tokens committed by each round until max_new_tokens or an EOS token.
     With `overlap`, the drafter drafts the next round while the verifier checks this one."""
@@ -269,37 +272,46 @@ async def speculate(
         while produced < max_new_tokens:
             # A round commits at most k + 1 tokens: never draft past the budget.
             k_round = min(policy.choose(), max_new_tokens - produced - 1)
-            # 1. Propose: the drafter extends the history by k_round draft tokens (or
-            # already did, during the last round's verification).
-            started = time.perf_counter()
-            ready, ahead = ahead, None  # drafted for this round only
-            if k_round <= 0:
-                drafts, qs = [], []
-            elif ready is not None:
-                drafts, qs = ready[0][:k_round], ready[1][:k_round]
-                stats.lookahead_hits += 1
-            else:
-                drafts, qs = await drafter.propose(history, k_round)
-            drafted = time.perf_counter()
-            # Look ahead only if the next round, after a whole pass, could still draft.
-            if overlap and k_round > 0 and produced + k_round + 2 < max_new_tokens:
-                lookahead = _Lookahead(drafter, history, drafts, k_round)
-                stats.lookaheads += 1
-            # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
-            accepted, next_token, batch_pass = await verifier.verify(history, drafts, qs)
-            verified = time.perf_counter()
-            policy.observe(len(drafts), accepted, drafted - started if drafts else None, verified - drafted,
-                           batch_pass)
-            stats.observe_pass(batch_pass)
-            stats.draft_s += drafted - started
-            stats.verify_s += verified - drafted
-            stats.record(len(drafts), accepted)
-            if stats.on_round is not None:
-                stats.on_round(k_round, len(drafts), accepted, drafted - started if drafts else None,
-                               verified - drafted)
-            if lookahead is not None:
-                ahead, lookahead = await lookahead.take(accepted, next_token), None
-                stats.draft_s += time.perf_counter() - verified
+            # The round's span is current only while this coroutine runs the round (never
+            # across a yield): its calls, and a look-ahead started in it, are its children.
+            span = tracing.tracer.start_span("round", context=trace_context, attributes={"k": k_round})
+            attached = otel_context.attach(trace.set_span_in_context(span, trace_context))
+            try:
+                # 1. Propose: the drafter extends the history by k_round draft tokens (or
+                # already did, during the last round's verification).
+                started = time.perf_counter()
+                ready, ahead = ahead, None  # drafted for this round only
+                if k_round <= 0:
+                    drafts, qs = [], []
+                elif ready is not None:
+                    drafts, qs = ready[0][:k_round], ready[1][:k_round]
+                    stats.lookahead_hits += 1
+                else:
+                    drafts, qs = await drafter.propose(history, k_round)
+                drafted = time.perf_counter()
+                # Look ahead only if the next round, after a whole pass, could still draft.
+                if overlap and k_round > 0 and produced + k_round + 2 < max_new_tokens:
+                    lookahead = _Lookahead(drafter, history, drafts, k_round)
+                    stats.lookaheads += 1
+                # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
+                accepted, next_token, batch_pass = await verifier.verify(history, drafts, qs)
+                verified = time.perf_counter()
+                policy.observe(len(drafts), accepted, drafted - started if drafts else None, verified - drafted,
+                               batch_pass)
+                stats.observe_pass(batch_pass)
+                stats.draft_s += drafted - started
+                stats.verify_s += verified - drafted
+                stats.record(len(drafts), accepted)
+                if stats.on_round is not None:
+                    stats.on_round(k_round, len(drafts), accepted, drafted - started if drafts else None,
+                                   verified - drafted)
+                if lookahead is not None:
+                    ahead, lookahead = await lookahead.take(accepted, next_token), None
+                    stats.draft_s += time.perf_counter() - verified
+                span.set_attributes({"drafts": len(drafts), "accepted": accepted})
+            finally:
+                otel_context.detach(attached)
+                span.end()
             # 3. Commit: the accepted drafts and the correction (or bonus) token.
             new = drafts[:accepted] + [next_token]
             for i, token in enumerate(new):

@@ -48,6 +48,8 @@ def add_server_flags(parser: argparse.ArgumentParser, prefix: str, default_port:
         help="json: one object per line, with the request id and session id on a request's lines")
     add(parser, "--metrics-port", env=f"{prefix}_METRICS_PORT", type=int, default=0,
         help="HTTP port of Prometheus metrics (/metrics), on --host; 0: none")
+    add(parser, "--otlp-endpoint", env=f"{prefix}_OTLP_ENDPOINT", default="",
+        help="host:port of an OpenTelemetry collector (OTLP/gRPC) to send traces to; empty: no traces")
     add(parser, "--shutdown-grace", env=f"{prefix}_SHUTDOWN_GRACE", type=float, default=30.0,
         help="seconds calls in flight get to finish after SIGTERM (keep it below Kubernetes' "
              "terminationGracePeriodSeconds)")

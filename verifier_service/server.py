@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from specdec import flags, logs, modeling, sampling, server
+from specdec import flags, logs, modeling, sampling, server, tracing
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
@@ -61,8 +61,11 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             check_length("draft_tokens", request.start + len(request.new_tokens) + len(request.draft_tokens) + 1,
                          self.info)
             session = self.store.get(request.session_id, request.start)
-            async with self.model_work(session) as seq:
-                a, t, done = await verify(seq, request)
+            with tracing.server_span("verifier.Verify", context, session_id=request.session_id,
+                                     new_tokens=len(request.new_tokens), drafts=len(request.draft_tokens)) as span:
+                async with self.model_work(session) as seq:
+                    a, t, done = await verify(seq, request)
+                span.set_attributes({"accepted": a, "batch_rows": done.rows})
             return verifier_pb2.VerifyResponse(
                 num_accepted=a, next_token=t,
                 batch_pass=verifier_pb2.BatchPass(rows=done.rows, tokens=done.tokens, seconds=done.seconds))
@@ -80,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args, on_listen=None) -> None:
+    tracing.setup("verifier", args.otlp_endpoint)
     servicer = VerifierServicer()
     metrics = EngineMetrics("verifier")
     metrics.serve(args.host, args.metrics_port)
