@@ -98,7 +98,8 @@ def ray_command(args) -> int:
                 verifier_gpus=args.verifier_gpus, verifier_cpus=args.verifier_cpus, drafter_cpus=args.drafter_cpus,
                 orchestrator_cpus=args.orchestrator_cpus, dtype=args.dtype, device=args.device,
                 verifier_flags=verifier_flags, drafter_flags=drafter_flags,
-                orchestrator_flags=["--overlap" if args.overlap else "--no-overlap", "--http-port", str(args.http_port)],
+                orchestrator_flags=["--overlap" if args.overlap else "--no-overlap",
+                                    "--http-port", str(args.http_port)],
                 autoscale=autoscale,
                 admin_port=args.admin_port,
                 startup_timeout_s=args.startup_timeout)

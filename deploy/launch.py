@@ -105,7 +105,8 @@ def wait_serving(services: list[Service], timeout_s: float) -> None:
             code = service.process.poll() if service.process else None
             if code is not None:
                 raise RuntimeError(f"{service.name} exited with code {code} while starting (see its log above)")
-            if health_status(service.address, credentials=service.credentials) == health_pb2.HealthCheckResponse.SERVING:
+            status = health_status(service.address, credentials=service.credentials)
+            if status == health_pb2.HealthCheckResponse.SERVING:
                 print(f"specdec up: {service.name} serving on {service.address}", file=sys.stderr, flush=True)
                 pending.remove(service)
         if pending and time.monotonic() > deadline:

@@ -76,9 +76,9 @@ def frame(endpoints: list[str], before: dict[str, Samples], now: dict[str, Sampl
             rounds = rate(url, "specdec_spec_decode_num_drafts_total")
             positions = sorted({int(dict(ls)["position"]) for (n, ls) in s
                                 if n == "specdec_spec_decode_num_accepted_tokens_per_pos_total"})
-            per_position = "  ".join(
-                f"{p}:{rate(url, 'specdec_spec_decode_num_accepted_tokens_per_pos_total', position=str(p)) / rounds:.2f}"
-                for p in positions) if rounds else "-"
+            per_pos = "specdec_spec_decode_num_accepted_tokens_per_pos_total"
+            per_position = "  ".join(f"{p}:{rate(url, per_pos, position=str(p)) / rounds:.2f}"
+                                     for p in positions) if rounds else "-"
             lines.append(f"  accepted   {accepted / drafted if drafted else 0:.2f} of drafts; per round by position: "
                          f"{per_position}")
             k_count = rate(url, "specdec_num_speculative_tokens_count")
@@ -89,7 +89,8 @@ def frame(endpoints: list[str], before: dict[str, Samples], now: dict[str, Sampl
                          f"p95 {q(0.95, 'specdec_time_to_first_token_seconds')} | inter-token p50 "
                          f"{q(0.5, 'specdec_inter_token_latency_seconds')} p95 "
                          f"{q(0.95, 'specdec_inter_token_latency_seconds')} | request p50 "
-                         f"{q(0.5, 'specdec_request_latency_seconds')} p95 {q(0.95, 'specdec_request_latency_seconds')}")
+                         f"{q(0.5, 'specdec_request_latency_seconds')} "
+                         f"p95 {q(0.95, 'specdec_request_latency_seconds')}")
             lines.append(f"  calls      Propose p50 {q(0.5, 'specdec_drafter_call_seconds')}, Verify p50 "
                          f"{q(0.5, 'specdec_verifier_call_seconds')}")
             lines.append(f"  trouble    {rate(url, 'specdec_resyncs_total'):.2f} resyncs/s, "

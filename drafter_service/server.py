@@ -84,7 +84,8 @@ def make_proposer(args, metrics=None) -> Proposer:
         raise SystemExit("--proposer model needs --model")
     model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
     output_ids = modeling.restrict_output(model, args.model)
-    proposer = ModelProposer(server.engine(model, args, metrics), tokenizer, args.model, args.max_draft_support, output_ids)
+    proposer = ModelProposer(server.engine(model, args, metrics), tokenizer, args.model, args.max_draft_support,
+                             output_ids)
     if args.proposer == "hybrid":
         return HybridProposer(proposer, NgramProposer(max(args.ngram_max, args.lookup_min_match),
                                                       args.lookup_min_match))

@@ -42,7 +42,8 @@ def orchestrator(verifier: Service, drafters: list[Service], tokenizer, name="or
                  extra=()) -> Service:
     port, admin_port = free_port(), free_port()
     return Service(name, port, [*PY, "orchestrator", "--host", HOST, "--port", str(port),
-                                "--admin-port", str(admin_port), "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
+                                "--admin-port", str(admin_port), "--verifier", verifier.address,
+                                "--drafters", ",".join(d.address for d in drafters),
                                 "--tokenizer", str(tokenizer), "--startup-timeout", "120", *extra],
                    admin_port=admin_port)
 

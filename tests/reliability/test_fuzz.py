@@ -32,7 +32,8 @@ FLOAT = st.one_of(st.floats(width=32), st.sampled_from([0.0, 1.0, 0.5, 1e-38, 0.
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "user", "assistant", "system", "x" * 300, "\x00", "é"]))
 SCALARS = {
     d.FieldDescriptor.TYPE_INT32: INT32, d.FieldDescriptor.TYPE_INT64: INT32,
-    d.FieldDescriptor.TYPE_UINT32: st.integers(0, 2 ** 32 - 1), d.FieldDescriptor.TYPE_UINT64: st.integers(0, 2 ** 64 - 1),
+    d.FieldDescriptor.TYPE_UINT32: st.integers(0, 2 ** 32 - 1),
+    d.FieldDescriptor.TYPE_UINT64: st.integers(0, 2 ** 64 - 1),
     d.FieldDescriptor.TYPE_FLOAT: FLOAT, d.FieldDescriptor.TYPE_DOUBLE: FLOAT,
     d.FieldDescriptor.TYPE_STRING: TEXT, d.FieldDescriptor.TYPE_BOOL: st.booleans(),
 }
