@@ -9,7 +9,7 @@ import pytest
 
 from cluster import Stream, generate, orchestrator, pb, reference
 
-LONG = 3000  # tokens: about 12 s on the tiny pair here, longer than the old fixed 5 s grace
+LONG = 2000  # tokens: about 10 s on the tiny pair here, longer than the old fixed 5 s grace
 
 
 def test_sigterm_lets_requests_in_flight_finish(shared_cluster, tiny_pair, smol_tokenizer):
