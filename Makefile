@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test protos
+.PHONY: install demo test test-slow protos
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -32,6 +32,11 @@ test: install
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || \
 		echo "make test: no prometheus binary; the Prometheus test will be skipped"
 	$(PY) -m pytest -q
+
+# The heavy reliability runs (CI runs them after `make test`): 2,000 fuzz cases per RPC,
+# five minutes of chaos, a soak of 10,000 requests.
+test-slow: install
+	$(PY) -m pytest -q -m slow tests/reliability
 
 protos: install
 	$(PY) -m specdec.protogen
