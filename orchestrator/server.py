@@ -223,8 +223,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 log.debug("[%s] costs: %s", req.label, self.costs.describe())
         except grpc.aio.AioRpcError as err:
             log.error("[%s] a service call failed: %s %s", req.label, err.code().name, err.details())
-            # Bad input, a full verifier and a passed deadline keep their codes: the client
-            # should not retry the first, should back off on the second, and knows the third.
+            # Bad input, a full verifier, a passed deadline and a service's own failure keep
+            # their codes: the client should not retry the first, should back off on the
+            # second, knows the third; anything else is the retriable UNAVAILABLE.
             passed_on = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
             status = err.code() if err.code() in passed_on else grpc.StatusCode.UNAVAILABLE
