@@ -241,6 +241,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             self.closing.add(task)
             task.add_done_callback(self.closing.discard)
 
+    async def drained(self, wait_s: float = 10.0) -> None:
+        """After the last call: the sessions those calls left on the services are released
+        before the process goes (else they would wait for the services' idle timeout)."""
+        if self.closing:
+            await asyncio.wait(set(self.closing), timeout=wait_s)
+
     async def close_sessions(self, label: str, drafter: DrafterLink, verifier: VerifierLink) -> None:
         for link in (drafter, verifier):
             try:
@@ -483,6 +489,7 @@ async def serve(args, on_listen=None) -> None:
         background=[watch_verifier, follow_drafters, autoscale, http],
         security=server.security(args, args.auth_token_file),
         serving=lambda: servicer.tokenizer is None or servicer.verifier.problem is None,
+        drained=servicer.drained,
     )
 
 

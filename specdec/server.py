@@ -205,13 +205,15 @@ async def serve(
     admin: Listener | None = None,
     security: Security = Security(),
     serving: Callable[[], bool] = lambda: True,
+    drained: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Starts the server at once (health answers NOT_SERVING), awaits `load`, then
     reports SERVING; on SIGTERM or SIGINT it drains: health turns NOT_SERVING, new calls
     are refused, calls in flight get `grace_s` to finish. `on_listen(port, stop)` tells
     an embedding host (a Ray actor) the bound port and a thread-safe stop. `admin`: a
     second port, for the services operators call; `security`: TLS and auth of both.
-    `serving()`: whether the service can take calls now (health follows it once loaded)."""
+    `serving()`: whether the service can take calls now (health follows it once loaded).
+    `drained()`: work the calls left behind, awaited once they have all ended."""
     health_servicer = health.aio.HealthServicer()
     everything = [*service_names, *(admin.service_names if admin else [])]
     for service in ("", *everything):
@@ -269,4 +271,6 @@ async def serve(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*(s.stop(grace_s) for s in servers))
+        if drained is not None:
+            await drained()
         log.info("%s stopped", name)

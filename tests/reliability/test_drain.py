@@ -30,4 +30,6 @@ def test_sigterm_lets_requests_in_flight_finish(shared_cluster, tiny_pair, smol_
     assert len(result.token_ids) == LONG and result.finish_reason == pb.FINISH_REASON_LENGTH
     assert list(result.token_ids[:100]) == reference(tiny_pair[2], ids, 100)
     assert o.process.wait(timeout=30) == 0
+    # It released the request's session before it went (not left to the verifier's idle timeout).
+    assert shared_cluster.sessions(roles["verifier"]) == set()
     print(f"drained a {LONG}-token request for {time.monotonic() - signalled:.1f} s after SIGTERM; exit 0")

@@ -32,6 +32,7 @@ def test_64_concurrent_streams_1000_requests(shared_cluster, cases):
     rng = random.Random(0)
     picks = [rng.randrange(len(cases)) for _ in range(1000)]
     plan = [(cases[i][0], rng.choice([0, 1, 3, 5]), None) for i in picks]
+    before = {service.name: shared_cluster.sessions(service) for service in (roles["verifier"], roles["model-drafter"])}
     started = time.monotonic()
     outcomes = run_clients(roles["a"].address, plan, 64)
     elapsed = time.monotonic() - started
@@ -43,8 +44,8 @@ def test_64_concurrent_streams_1000_requests(shared_cluster, cases):
     print(f"1000 requests, 64 at a time: 0 failed, all exact, {elapsed:.1f} s "
           f"({1000 * NEW_TOKENS / elapsed:.0f} tokens/s)")
     time.sleep(1.0)
-    for service in (roles["verifier"], roles["model-drafter"]):
-        assert shared_cluster.sessions(service) == set(), service.name
+    for service in (roles["verifier"], roles["model-drafter"]):  # none of this test's sessions is left
+        assert shared_cluster.sessions(service) <= before[service.name], service.name
 
 
 def test_cancelling_10_of_100_streams_leaves_the_rest_exact_and_no_session(shared_cluster, cases):
@@ -53,6 +54,7 @@ def test_cancelling_10_of_100_streams_leaves_the_rest_exact_and_no_session(share
     cancelled = set(rng.sample(range(100), 10))
     picks = [rng.randrange(len(cases)) for _ in range(100)]
     plan = [(cases[i][0], 3, rng.randint(1, 4) if n in cancelled else None) for n, i in enumerate(picks)]
+    before = {service.name: shared_cluster.sessions(service) for service in (roles["verifier"], roles["model-drafter"])}
     outcomes = run_clients(roles["a"].address, plan, 50)
     for n, (outcome, i) in enumerate(zip(outcomes, picks)):
         if n in cancelled:
@@ -61,7 +63,7 @@ def test_cancelling_10_of_100_streams_leaves_the_rest_exact_and_no_session(share
             assert outcome[0] == "ok" and outcome[1] == cases[i][1] and len(outcome[2]) == 1
     time.sleep(1.0)  # sessions created equal sessions released, within 1 s
     for service in (roles["verifier"], roles["model-drafter"]):
-        assert shared_cluster.sessions(service) == set(), service.name
+        assert shared_cluster.sessions(service) <= before[service.name], service.name
 
 
 def test_a_deadline_against_a_stalled_verifier_answers_in_time(shared_cluster, cases):
