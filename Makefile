@@ -33,8 +33,8 @@ test: install
 		echo "make test: no prometheus binary; the Prometheus test will be skipped"
 	$(PY) -m pytest -q
 
-# The heavy reliability runs (CI runs them after `make test`): 2,000 fuzz cases per RPC,
-# five minutes of chaos, a soak of 10,000 requests.
+# The heavy reliability runs, by hand (about 20 minutes): 2,000 fuzz cases per RPC, five
+# minutes of chaos, a soak of 10,000 requests.
 test-slow: install
 	$(PY) -m pytest -q -m slow tests/reliability
 

@@ -28,8 +28,9 @@ def bind_from(context, session_id: str) -> None:
 
 
 def request_metadata(label: str) -> tuple[tuple[str, str], ...]:
-    # A header value must be printable ASCII: anything else in a label is escaped.
-    return ((METADATA_KEY, label.encode("ascii", "backslashreplace").decode()[:256]),)
+    # A header value must be printable ASCII: control and non-ASCII characters in a label
+    # are escaped (a raw one made the call fail to start: found by the fuzzer).
+    return ((METADATA_KEY, label.encode("unicode_escape").decode("ascii")[:256]),)
 
 
 class _Context(logging.Filter):

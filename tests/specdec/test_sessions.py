@@ -38,3 +38,13 @@ def test_bad_fields():
         store.get("", 0)
     with pytest.raises(InvalidArgument, match="start"):
         store.get("a", -1)
+
+
+def test_a_request_label_travels_as_printable_ascii():
+    """Any label a client sends becomes a valid gRPC header value (the fuzzer found a
+    control character in request_id hanging the call)."""
+    from specdec.logs import request_metadata
+
+    for label in ["plain", "\x1f", "é\u4e2d", "a\\b", "\n\r\t", "x" * 300]:
+        ((_, value),) = request_metadata(label)
+        assert all(" " <= c <= "~" for c in value) and len(value) <= 256, label
