@@ -33,7 +33,7 @@ test: install
 		echo "make test: no prometheus binary; the Prometheus test will be skipped"
 	$(PY) -m pytest -q
 
-# The heavy reliability runs, by hand (about 20 minutes): 2,000 fuzz cases per RPC, five
+# The heavy reliability runs, by hand (about 17 minutes): 2,000 fuzz cases per RPC, five
 # minutes of chaos, a soak of 10,000 requests.
 test-slow: install
 	$(PY) -m pytest -q -m slow tests/reliability
