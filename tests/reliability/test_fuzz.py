@@ -61,14 +61,19 @@ def _message(draw, descriptor: d.Descriptor, depth: int):
             continue
         if field.name not in oneof_fields and not draw(st.booleans()):
             continue  # unset (optional fields stay absent)
-        values = field_values(field, depth)
-        if field.is_repeated:
-            getattr(message, field.name).extend(draw(st.lists(values, max_size=12)))
-        elif field.type == d.FieldDescriptor.TYPE_MESSAGE:
-            getattr(message, field.name).CopyFrom(draw(values))
-        else:
-            setattr(message, field.name, draw(values))
+        set_random(draw, message, field, depth)
     return message
+
+
+def set_random(draw, message, field: d.FieldDescriptor, depth: int) -> None:
+    """Gives message.field a random value (a list of them when repeated)."""
+    values = field_values(field, depth)
+    if field.is_repeated:
+        getattr(message, field.name).extend(draw(st.lists(values, max_size=12)))
+    elif field.type == d.FieldDescriptor.TYPE_MESSAGE:
+        getattr(message, field.name).CopyFrom(draw(values))
+    else:
+        setattr(message, field.name, draw(values))
 
 
 def messages(descriptor: d.Descriptor, depth: int = 0):
@@ -170,13 +175,7 @@ def mutate(valid, descriptor: d.Descriptor):
             return message
         field = draw(st.sampled_from(list(descriptor.fields)))
         message.ClearField(field.name)
-        values = field_values(field, 0)
-        if field.is_repeated:
-            getattr(message, field.name).extend(draw(st.lists(values, max_size=12)))
-        elif field.type == d.FieldDescriptor.TYPE_MESSAGE:
-            getattr(message, field.name).CopyFrom(draw(values))
-        else:
-            setattr(message, field.name, draw(values))
+        set_random(draw, message, field, 0)
         return message
 
     return mutated()
