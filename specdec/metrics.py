@@ -48,7 +48,6 @@ class EngineMetrics(Metrics):
 
     def __init__(self, role: str):
         super().__init__()
-        self.role = role
 
         def of(make, name, doc, *args):
             return make(name, doc, *args, labels=["service"]).labels(role)
