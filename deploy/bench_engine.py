@@ -16,7 +16,7 @@ import time
 import torch
 
 from deploy import launch
-from specdec import modeling
+from specdec import modeling, quantize
 from specdec.engine import Engine
 
 
@@ -128,11 +128,16 @@ def main() -> None:
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT, help="for --stall")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantize", default="auto", choices=quantize.METHODS)
+    parser.add_argument("--threads", type=int, default=0, help="the pass's threads (0: torch's default)")
     parser.add_argument("--stall", action="store_true", help="also measure a long prefill beside running streams")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, _ = modeling.load_model(args.target, device=args.device)
-    eng = Engine(model, 1 << 30, max_batch_tokens=1024)
+    quantize.quantize(model, args.quantize)
+    print(f"{args.target} on {args.device}, quantize {args.quantize}"
+          + (f" ({quantize.kernel()})" if quantize.is_int8(model) else ""), flush=True)
+    eng = Engine(model, 1 << 30, max_batch_tokens=1024, threads=args.threads)
     seqs = []
     for i in range(8):
         seq = eng.new_sequence()

@@ -2,7 +2,13 @@
 
 Every Linear layer (the output head too) keeps its weight in int8 with one scale per
 output row; at run time each input row is quantized with a scale of its own, multiplied
-in integers (`torch._int_mm`, int32 accumulation: exact) and scaled back to float.
+in integers (int32 accumulation: exact) and scaled back to float.
+
+The integer product runs in fbgemm where it is exact (x86: checked once, on the inputs
+that would overflow a 16-bit pair sum) and in `torch._int_mm` elsewhere. fbgemm's
+kernel grows far less with the rows of a pass: a 5-token verify pass of the default
+target cost 1.19-1.29x a one-token step with it, 1.63-1.67x with `_int_mm`, at the same
+one-token cost (`python -m deploy.bench_engine --quantize int8`).
 
 Per-row activation scales are the point: a row's result does not depend on the other
 rows of the pass, so a verify pass of K+1 tokens among other sessions' rows gives each
@@ -17,9 +23,15 @@ batch-invariant (its reductions follow the shapes of the pass), so an int8 model
 attends in float64 and casts back: the float32 result no longer depends on the pass.
 Norms, rotary embeddings and activations already work row by row, element by element."""
 
+import functools
+import logging
+import warnings
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+log = logging.getLogger(__name__)
 
 METHODS = ("none", "int8", "auto")  # auto: int8 on a CPU, none elsewhere
 FLOAT64_ATTENTION = "specdec_float64_sdpa"
@@ -37,17 +49,62 @@ def float64_attention(module, query, key, value, attention_mask, **kwargs):
 AttentionInterface.register(FLOAT64_ATTENTION, float64_attention)
 
 
+def is_int8(model) -> bool:
+    return getattr(model.config, "specdec_quantize", "none") == "int8"
+
+
 def attention_dtype(model, dtype: torch.dtype) -> torch.dtype:
     """What attention computes in for `model` (its activations' dtype unless int8)."""
-    return torch.float64 if getattr(model.config, "specdec_quantize", "none") == "int8" else dtype
+    return torch.float64 if is_int8(model) else dtype
+
+
+def _fbgemm_pack(weight_int8: torch.Tensor, scale: torch.Tensor):
+    with warnings.catch_warnings():  # quantized tensors are deprecated as a user API, not the kernels
+        warnings.simplefilter("ignore")
+        weight = torch._make_per_channel_quantized_tensor(weight_int8, scale.double(),
+                                                          torch.zeros(len(scale), dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(weight, None)
+
+
+def _fbgemm_product(packed, rows_int: torch.Tensor) -> torch.Tensor:
+    """scale_w * (rows_int @ weight_int8.T) for float rows holding integers in [-127, 127]:
+    fbgemm takes them as uint8 with zero point 128 and scale 1 (exact)."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(rows_int, 1.0, 128, packed)
+
+
+@functools.cache
+def kernel() -> str:
+    """"fbgemm" where it gives the exact integer product on this CPU, row by row, else
+    "int_mm". Without VNNI, fbgemm sums pairs of uint8 x int8 products in 16 bits, which
+    overflow on large values: those are the values checked."""
+    try:
+        draw = torch.Generator().manual_seed(0)
+        w = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=draw)
+        w[0], w[1] = 127, -127
+        x = torch.randint(-127, 128, (5, 256), generator=draw).float()
+        x[0], x[1] = 127, -127
+        scale = torch.rand(64, generator=draw) + 0.5
+        got = _fbgemm_product(_fbgemm_pack(w, scale), x)
+        exact = (x.double() @ w.double().T) * scale.double()
+        alone = torch.cat([_fbgemm_product(_fbgemm_pack(w, scale), x[i:i + 1]) for i in range(5)])
+        if torch.equal(got, exact.float()) and torch.equal(got, alone):
+            return "fbgemm"
+        log.info("fbgemm's int8 product is not exact on this CPU: using torch._int_mm")
+    except (RuntimeError, AttributeError) as err:  # no fbgemm (ARM builds use qnnpack)
+        log.info("fbgemm unavailable (%s): using torch._int_mm", err)
+    return "int_mm"
 
 
 class Int8Linear(torch.nn.Module):
-    def __init__(self, linear: torch.nn.Module):
+    def __init__(self, linear: torch.nn.Module, product: str | None = None):
+        """product: "fbgemm" or "int_mm" (default: `kernel()`)."""
         super().__init__()
         weight = linear.weight.detach().float()
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))  # [out, in]
+        weight_int8 = torch.round(weight / scale[:, None]).to(torch.int8)  # [out, in]
+        self.out_features = weight_int8.shape[0]
+        self.packed = _fbgemm_pack(weight_int8, scale) if (product or kernel()) == "fbgemm" else None
+        self.register_buffer("weight_int8", None if self.packed is not None else weight_int8)
         self.register_buffer("weight_scale", scale)  # [out]
         bias = getattr(linear, "bias", None)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
@@ -56,13 +113,17 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float()
         scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-        # The transposed view, not a transposed copy: measured as fast or faster for every
-        # shape of SmolLM2 but the output head at 2+ rows, where it costs 0.3 ms more.
-        y = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.weight_int8.t())
-        y = y.float() * scale * self.weight_scale
+        rows_int = torch.round(rows / scale)
+        if self.packed is not None:
+            y = _fbgemm_product(self.packed, rows_int) * scale
+        else:
+            # The transposed view, not a transposed copy: measured as fast or faster for every
+            # shape of SmolLM2 but the output head at 2+ rows, where it costs 0.3 ms more.
+            y = torch._int_mm(rows_int.to(torch.int8), self.weight_int8.t())
+            y = y.float() * scale * self.weight_scale
         if self.bias is not None:
             y = y + self.bias
-        return y.to(self.out_dtype).reshape(*x.shape[:-1], self.weight_int8.shape[0])
+        return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 def quantize(model, method: str):

@@ -11,27 +11,44 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec.quantize import Int8Linear, quantize
+from specdec.quantize import Int8Linear, kernel, quantize
 
 TESTS = Path(__file__).parent.parent
 
 
-def test_a_row_gives_the_same_result_alone_or_among_others():
+PRODUCTS = ["int_mm"] + (["fbgemm"] if kernel() == "fbgemm" else [])
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_a_row_gives_the_same_result_alone_or_among_others(product):
     torch.manual_seed(0)
-    layer = Int8Linear(torch.nn.Linear(96, 200, bias=True))
+    layer = Int8Linear(torch.nn.Linear(96, 200, bias=True), product)
     rows = torch.randn(7, 96) * torch.tensor([0.01, 1, 100, 1, 5, 0.1, 30])[:, None]  # scales far apart
     together = layer(rows[None])[0]
     for i in range(7):
         assert torch.equal(layer(rows[i:i + 1]), together[i:i + 1])
 
 
-def test_close_to_float():
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_close_to_float(product):
     torch.manual_seed(0)
     linear = torch.nn.Linear(576, 1536, bias=False)
     x = torch.randn(5, 576)
     want = linear(x)
-    error = (Int8Linear(linear)(x) - want).norm() / want.norm()
+    error = (Int8Linear(linear, product)(x) - want).norm() / want.norm()
     assert error < 0.02, error
+
+
+def test_the_two_integer_products_agree():
+    """fbgemm and torch._int_mm compute the same integer sums; only the order of the two
+    float scalings differs (a last-bit difference)."""
+    if kernel() != "fbgemm":
+        pytest.skip("fbgemm is not exact on this CPU: only torch._int_mm is used")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 1536, bias=False)
+    x = torch.randn(5, 576) * 3
+    a, b = Int8Linear(linear, "fbgemm")(x), Int8Linear(linear, "int_mm")(x)
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_every_linear_layer_and_the_head_are_quantized():
