@@ -164,9 +164,9 @@ class _LocalVerifier:
     """The verifier's round behind the interface of the orchestrator's VerifierLink."""
 
     def __init__(self, engine: Engine, params):
-        from verifier_service.acceptance import verify
+        from verifier_service.acceptance import decode, verify
 
-        self.verify_round, self.params, self.engine = verify, params, engine
+        self.verify_round, self.decode_run, self.params, self.engine = verify, decode, params, engine
         self.seq, self.synced = engine.new_sequence(), 0
 
     async def verify(self, history, drafts, qs):
@@ -175,6 +175,13 @@ class _LocalVerifier:
         self.synced = len(history)
         accepted, token, done = await self.verify_round(self.seq, request)
         return accepted, token, done
+
+    async def decode(self, history, max_tokens, stop):
+        request = verifier_pb2.DecodeRequest(start=self.synced, new_tokens=history[self.synced:],
+                                             sampling=self.params, max_tokens=max_tokens, stop_token_ids=sorted(stop))
+        self.synced = len(history)
+        async for token, done in self.decode_run(self.seq, request, modeling.max_positions(self.engine.model)):
+            yield token, done
 
     def close(self):
         self.engine.release(self.seq)

@@ -12,12 +12,20 @@ reports every pass (rows, tokens, seconds), so the price of K follows the load: 
 sessions share a pass, each extra draft token lengthens every session's pass, and K
 falls smoothly to 0 (the target alone) where speculation stops paying; at one stream it
 is the unbatched rule. Costs belong to the deployment and are shared by all requests
-(RoundCosts); alpha belongs to the request, starting from the deployment's average."""
+(RoundCosts); alpha belongs to the request, starting from the deployment's average.
+
+K = 0 is the target alone, and it runs as the target alone would: a run of steps in one
+verifier call (Decode), with no call per token. Its price is what runs measured per
+token, so speculation must beat the target alone as the deployment serves it."""
 
 import random
 from dataclasses import dataclass, field
 
 from specdec.verifier.v1.verifier_pb2 import BatchPass  # a verifier pass as the verifier reports it
+
+# The most steps one run of the target alone decodes: a call's timeout covers its run,
+# and between runs the policy looks again.
+RUN_MAX = 32
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -74,6 +82,7 @@ class RoundCosts:
         self.rows, self.overhead = 1.0, 0.0  # running averages
         self.tried: set[int] = set()
         self.accepted, self.tested = alpha_prior, 1.0  # decayed counts over all rounds
+        self.plain: float | None = None  # seconds per token of the target alone, in runs
 
     @property
     def alpha(self) -> float:
@@ -82,7 +91,9 @@ class RoundCosts:
     def describe(self) -> str:
         passes = ", ".join(f"{t}: {s * 1e3:.0f}" for t, s in sorted(self.batch_pass.at.items()))
         drafts = ", ".join(f"{k}: {s * 1e3:.0f}" for k, s in sorted(self.draft.at.items()))
+        plain = "?" if self.plain is None else f"{self.plain * 1e3:.0f}"
         return (f"alpha {self.alpha:.2f}, rows {self.rows:.1f}, call beyond pass {self.overhead * 1e3:.0f} ms, "
+                f"target alone {plain} ms per token, "
                 f"pass ms by tokens {{{passes}}}, drafter call ms by K {{{drafts}}}")
 
     def verify(self, k: int) -> float | None:
@@ -106,6 +117,17 @@ class RoundCosts:
             self.tested = self.decay * self.tested + tested
 
 
+    def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass]) -> None:
+        """A run of the target alone: `tokens` steps in `seconds`, through `passes`."""
+        self.tried.add(0)
+        per_token = seconds / tokens
+        self.plain = per_token if self.plain is None else 0.9 * self.plain + 0.1 * per_token
+        for batch_pass in passes:
+            if batch_pass.rows >= 1:
+                self.batch_pass.add(batch_pass.tokens, batch_pass.seconds)
+                self.rows = 0.9 * self.rows + 0.1 * batch_pass.rows
+
+
 class FixedK:
     """The K a request asked for."""
 
@@ -114,6 +136,13 @@ class FixedK:
 
     def choose(self) -> int:
         return self.k
+
+    def run_length(self, budget: int) -> int:
+        """Steps of the target alone in one call, when a round drafts nothing."""
+        return min(budget, RUN_MAX if self.k == 0 else 1)
+
+    def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass]) -> None:
+        pass
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
                 batch_pass: BatchPass | None = None) -> None:
@@ -124,7 +153,9 @@ class AdaptiveK:
     """K per round from measured acceptance and costs. A deployment's first rounds learn
     the costs cheapest first: K = 0, then K = 1, and `k_start` only once K = 1 promised
     more than K = 0 (poor drafts never pay for a long first round). Later, one round in
-    `probe_every` tries a neighbour of the best K so that estimates stay current.
+    `probe_every` tries a neighbour of the best K so that estimates stay current; while
+    the probes find the target alone best, each waits twice as long as the last (up to
+    `max_backoff` times), so poor drafts cost a request ever less.
 
     Speculation must promise `min_gain` more than the target alone before it is chosen:
     the model does not see everything a draft costs (a drafter on the verifier's cores
@@ -138,6 +169,7 @@ class AdaptiveK:
         self.probe_every, self.prior_weight, self.min_gain = probe_every, prior_weight, min_gain
         self.accepted, self.tested, self.rounds = 0, 0, 0
         self.rng = random.Random(seed)
+        self.backoff, self.max_backoff = 1, 8
 
     @property
     def alpha(self) -> float:
@@ -148,6 +180,8 @@ class AdaptiveK:
 
     def speed(self, k: int) -> float | None:
         """Predicted committed tokens per second with K = k (None: not yet known)."""
+        if k == 0 and self.costs.plain is not None:
+            return 1.0 / max(self.costs.plain, 1e-6)
         verify = self.costs.verify(k)
         draft = self.costs.draft(k) if k > 0 else 0.0
         if verify is None or draft is None:
@@ -167,12 +201,29 @@ class AdaptiveK:
         best = max(known, key=known.get) if known else 0
         if best > 0 and 0 in known and known[best] < (1 + self.min_gain) * known[0]:
             best = 0
-        # Probes cost every session of a pass (a late row holds the pass back); the costs are
-        # shared, so with R rows per pass one probe in R rounds per session keeps them current.
-        if self.rounds % (self.probe_every * max(1, round(self.costs.rows))) == 0:
+        if best > 0:
+            self.backoff = 1
+        if self.rounds % self.probe_period() == 0:
+            if best == 0:  # each probe that finds the target alone still best waits longer for the next
+                self.backoff = min(self.max_backoff, 2 * self.backoff)
             neighbour = best + self.rng.choice((-1, 1)) if best > 0 else 1
             return min(self.k_max, neighbour)
         return best
+
+    def probe_period(self) -> int:
+        # Probes cost every session of a pass (a late row holds the pass back); the costs are
+        # shared, so with R rows per pass one probe in R rounds per session keeps them current.
+        return self.probe_every * max(1, round(self.costs.rows)) * self.backoff
+
+    def run_length(self, budget: int) -> int:
+        """Steps of the target alone in one call after choose() said K = 0: up to the
+        next probe (each step counts as a round)."""
+        period = self.probe_period()
+        return max(1, min(budget, RUN_MAX, period - self.rounds % period))
+
+    def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass]) -> None:
+        self.rounds += tokens - 1  # choose() counted the first
+        self.costs.observe_run(tokens, seconds, passes)
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
                 batch_pass: BatchPass | None = None) -> None:

@@ -6,6 +6,7 @@ service that lost the session answers FAILED_PRECONDITION and gets the whole his
 again (a resync: one prefill, never a wrong token)."""
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ class VerifierLink:
     async def verify(self, history: list[int], drafts: list[int],
                      qs: list[common_pb2.SparseDistribution]) -> tuple[int, int, verifier_pb2.BatchPass]:
         """(accepted, the verifier's token, the batched pass that ran the round)"""
-        attempt, unreachable_since = 0, None
+        retry = _Retry(self)
         while True:
             request = verifier_pb2.VerifyRequest(
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
@@ -109,26 +110,65 @@ class VerifierLink:
                 response = await self.endpoint.stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s),
                                                            metadata=self.metadata + tracing.headers())
             except grpc.aio.AioRpcError as err:
-                if needs_resync(err.code(), err.details()) and self.synced > 0:
-                    log.info("[%s] verifier resync: %s", self.session_id, err.details())
-                    self.synced = 0
-                    self.stats.resyncs += 1
-                    continue
-                if err.code() == grpc.StatusCode.UNAVAILABLE:
-                    unreachable_since = unreachable_since or time.monotonic()
-                    pause = min(2.0, 0.25 * 2 ** attempt)
-                    if time.monotonic() + pause - unreachable_since <= self.retry_s and \
-                            self.deadline.timeout(float("inf")) > pause:
-                        attempt += 1
-                        await asyncio.sleep(pause)
-                        continue
-                raise
+                await retry.after(err)
+                continue
             self.synced = len(history)
             return response.num_accepted, response.next_token, response.batch_pass
+
+    async def decode(self, history: list[int], max_tokens: int, stop: set[int]
+                     ) -> AsyncIterator[tuple[int, verifier_pb2.BatchPass]]:
+        """The target alone after `history`: up to max_tokens tokens, each as soon as the
+        verifier picks it, ending after a stop token. A call that fails part-way goes on
+        from the tokens it gave."""
+        retry, got = _Retry(self), []
+        while len(got) < max_tokens and not (got and got[-1] in stop):
+            sent = history + got
+            request = verifier_pb2.DecodeRequest(
+                session_id=self.session_id, start=self.synced, new_tokens=sent[self.synced:], sampling=self.params,
+                max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop))
+            call = self.endpoint.stub.Decode(request, timeout=self.deadline.timeout(self.timeout_s),
+                                             metadata=self.metadata + tracing.headers())
+            try:
+                async for message in call:
+                    got.append(message.token_id)
+                    self.synced = len(history) + len(got)  # it holds each token it picked
+                    yield message.token_id, message.batch_pass
+            except grpc.aio.AioRpcError as err:
+                await retry.after(err)
+                continue
+            finally:
+                call.cancel()  # a no-op after the end; if the caller stopped reading, the verifier stops
+            return
 
     async def close(self) -> None:
         await self.endpoint.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id),
                                               timeout=5, metadata=self.metadata)
+
+
+class _Retry:
+    """What one verifier call does after an error: a resync (once the session is known
+    lost), a pause while the verifier is unreachable (for up to `retry_s`, within the
+    client's deadline), or the error raised."""
+
+    def __init__(self, link: VerifierLink):
+        self.link, self.attempt, self.unreachable_since = link, 0, None
+
+    async def after(self, err: grpc.aio.AioRpcError) -> None:
+        link = self.link
+        if needs_resync(err.code(), err.details()) and link.synced > 0:
+            log.info("[%s] verifier resync: %s", link.session_id, err.details())
+            link.synced = 0
+            link.stats.resyncs += 1
+            return
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            self.unreachable_since = self.unreachable_since or time.monotonic()
+            pause = min(2.0, 0.25 * 2 ** self.attempt)
+            if time.monotonic() + pause - self.unreachable_since <= link.retry_s and \
+                    link.deadline.timeout(float("inf")) > pause:
+                self.attempt += 1
+                await asyncio.sleep(pause)
+                return
+        raise err
 
 
 class DrafterLink:
@@ -250,6 +290,42 @@ class _Lookahead:
             pass
 
 
+async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], history: list[int],
+                     verifier: VerifierLink, stats: Stats, trace_context) -> AsyncIterator[int]:
+    """Up to `policy.run_length(budget)` tokens of the target alone, each yielded as it
+    comes (the caller appends it to `history`); each counts as a round without drafts."""
+    span = tracing.tracer.start_span("decode", context=trace_context)
+    steps = verifier.decode(list(history), policy.run_length(budget), eos)
+    started = last = time.perf_counter()
+    tokens, passes = 0, []
+    try:
+        while True:
+            # The span is current only while this coroutine waits for a token (never across a yield).
+            attached = otel_context.attach(trace.set_span_in_context(span, trace_context))
+            try:
+                token, batch_pass = await anext(steps)
+            except StopAsyncIteration:
+                break
+            finally:
+                otel_context.detach(attached)
+            now = time.perf_counter()
+            tokens += 1
+            passes.append(batch_pass)
+            stats.observe_pass(batch_pass)
+            stats.verify_s += now - last
+            stats.record(0, 0)
+            if stats.on_round is not None:
+                stats.on_round(0, 0, 0, None, now - last)
+            last = now
+            yield token
+    finally:
+        await steps.aclose()
+        span.set_attribute("tokens", tokens)
+        span.end()
+        if tokens:
+            policy.observe_run(tokens, last - started, passes)
+
+
 async def speculate(
     prompt: list[int],
     max_new_tokens: int,
@@ -272,6 +348,18 @@ async def speculate(
         while produced < max_new_tokens:
             # A round commits at most k + 1 tokens: never draft past the budget.
             k_round = min(policy.choose(), max_new_tokens - produced - 1)
+            if k_round <= 0:
+                # The target alone: steps decoded in one verifier call, not a call per step.
+                ahead = None
+                async with contextlib.aclosing(_plain_run(policy, max_new_tokens - produced, eos, history, verifier,
+                                                          stats, trace_context)) as run:
+                    async for token in run:
+                        history.append(token)
+                        produced += 1
+                        yield [token]
+                        if token in eos:
+                            return
+                continue
             # The round's span is current only while this coroutine runs the round (never
             # across a yield): its calls, and a look-ahead started in it, are its children.
             span = tracing.tracer.start_span("round", context=trace_context, attributes={"k": k_round})
@@ -281,9 +369,7 @@ async def speculate(
                 # already did, during the last round's verification).
                 started = time.perf_counter()
                 ready, ahead = ahead, None  # drafted for this round only
-                if k_round <= 0:
-                    drafts, qs = [], []
-                elif ready is not None:
+                if ready is not None:
                     drafts, qs = ready[0][:k_round], ready[1][:k_round]
                     stats.lookahead_hits += 1
                 else:

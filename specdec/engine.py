@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
 
 import torch
 from transformers import AttentionInterface
@@ -112,6 +113,9 @@ class Work:
     last: int  # logits wanted for the last `last` tokens
     order: int
     again: bool = True  # the caller will submit again right after this
+    # Decoding (Engine.decode): called on the engine's thread with the finished logits,
+    # after it appended the next token to the sequence; True: go on with it next pass.
+    then: Callable[[torch.Tensor, "Pass"], bool] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     parts: list[torch.Tensor] = field(default_factory=list)  # logits from earlier chunks
     cancelled: bool = False
@@ -181,9 +185,9 @@ class Engine:
 
     # -- calls (any thread) --------------------------------------------------------------
 
-    def submit(self, seq: PagedSequence, last: int, again: bool = True) -> Work:
+    def submit(self, seq: PagedSequence, last: int, again: bool = True, then=None) -> Work:
         """Queues work; `again`: the caller will be back with more right after this one
-        (the next pass may wait a little for it)."""
+        (the next pass may wait a little for it); `then`: see Work."""
         with self.cond:
             if self.pool.blocks_for(len(seq.tokens)) > self.pool.capacity:
                 raise Overloaded(f"the session holds {len(seq.tokens)} tokens; the KV pool holds "
@@ -193,7 +197,7 @@ class Engine:
                 if not (waiting == 0 and self._admit(seq)) and waiting >= self.max_waiting:
                     raise Overloaded(f"{waiting} sessions are waiting for KV memory")
             seq.cached = min(seq.cached, len(seq.tokens) - last)  # logits come from computing those positions
-            work = Work(seq, last, next(self.orders), again)
+            work = Work(seq, last, next(self.orders), again, then)
             self.queue.append(work)
             self.cond.notify()
         return work
@@ -212,6 +216,44 @@ class Engine:
             if not done.cancelled():
                 done.exception()  # nobody wants it now
             raise
+
+    async def decode(self, seq: PagedSequence, pick: Callable[[torch.Tensor], tuple[int, bool]]
+                     ) -> AsyncIterator[tuple[int, Pass]]:
+        """The target alone, one token per pass: pick(logits after the last token [vocab])
+        gives the next token and whether to go on. The token joins the sequence, and the
+        session the next pass, on the engine's thread: no hand-off to the caller between
+        passes, whose cost (a thread switch, the caller's own work) would fall on every
+        token. Yields each (token, pass) as it is picked; the last token is not computed."""
+        loop = asyncio.get_running_loop()
+        picked: asyncio.Queue = asyncio.Queue()
+
+        def then(logits: torch.Tensor, done: Pass) -> bool:
+            token, go_on = pick(logits[-1])
+            seq.extend([token])
+            loop.call_soon_threadsafe(picked.put_nowait, (token, done))
+            return go_on
+
+        work = self.submit(seq, 1, then=then)
+        finished = asyncio.wrap_future(work.future)
+        try:
+            while True:
+                waiting = asyncio.ensure_future(picked.get())
+                await asyncio.wait([waiting, finished], return_when=asyncio.FIRST_COMPLETED)
+                if not waiting.done():
+                    waiting.cancel()
+                    while not picked.empty():  # picked before the work finished
+                        yield picked.get_nowait()
+                    finished.result()  # the pass's error, if one failed
+                    return
+                yield waiting.result()
+        finally:
+            if not finished.done():
+                # The caller stops early (or was cancelled): the session must not change
+                # under a pass that holds it.
+                self.cancel(work)
+                await asyncio.wait([finished])
+            if not finished.cancelled():
+                finished.exception()  # nobody wants it now
 
     def forward_now(self, seq: PagedSequence, last: int) -> tuple[torch.Tensor, Pass]:
         """`forward` for a caller that is not on an event loop (warm-up, benchmarks)."""
@@ -445,9 +487,23 @@ class Engine:
                 if work.cancelled:
                     self._finish(work)
                 elif work.remaining == 0:
-                    self._finish(work, result=(torch.cat(work.parts), done))
+                    self._done(work, torch.cat(work.parts), done)
             kept += row.wanted
         self.cond.notify()
+
+    def _done(self, work: Work, logits: torch.Tensor, done: Pass) -> None:
+        if work.then is None:
+            self._finish(work, result=(logits, done))
+            return
+        try:
+            go_on = work.then(logits, done)
+        except Exception as err:  # the caller's pick failed: its work ends, never the engine
+            self._finish(work, error=err)
+            return
+        if go_on:  # the token just picked is the work's next pass
+            work.parts = []
+        else:
+            self._finish(work, result=(logits, done))
 
     def _finish(self, work: Work, result=None, error: Exception | None = None) -> None:
         """Takes the work off the queue and answers it (a cancel without result or error)."""

@@ -102,6 +102,10 @@ class PagedSequence(TokenSequence):
         soon (the engine may wait a moment for them to batch)."""
         return await self.engine.forward(self, last, again)
 
+    def decode(self, pick):
+        """Decodes from here, one token per pass (Engine.decode)."""
+        return self.engine.decode(self, pick)
+
     def slots(self, end: int, device) -> torch.Tensor:
         """Pool slots of positions [0, end). -> [end]"""
         bs = self.engine.pool.block_size

@@ -6,6 +6,8 @@ tokens. The target keeps the longest accepted prefix and adds one token: the
 *correction* at the first rejected position, or the *bonus* when all were accepted.
 """
 
+from typing import AsyncIterator
+
 import torch
 
 from specdec import sampling
@@ -33,6 +35,33 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest) -> tup
     p = sampling.probs(logits, params).cpu()
     q = dense_q(list(request.draft_probs), drafts, p.shape[-1])
     return (*accept_sampled(p, q, drafts, n, Draws(params.seed, "accept"), Draws(params.seed, "target")), done)
+
+
+async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_positions: int
+                 ) -> AsyncIterator[tuple[int, Pass]]:
+    """The target alone on a session: bring the cache to the committed history, then one
+    token per pass (each pass shared with the other sessions ready), each picked as a
+    round without drafts would pick it, until max_tokens, a stop token or the model's
+    limit."""
+    seq.sync(request.start, list(request.new_tokens))
+    end = len(seq.tokens) + min(request.max_tokens, max_positions - len(seq.tokens))
+    stop, params = set(request.stop_token_ids), request.sampling
+
+    def pick(logits: torch.Tensor) -> tuple[int, bool]:  # on the engine's thread
+        token = own_token(logits, params, len(seq.tokens))
+        return token, token not in stop and len(seq.tokens) + 1 < end
+
+    async for token, done in seq.decode(pick):
+        yield token, done
+
+
+def own_token(logits: torch.Tensor, params: common_pb2.SamplingParams, position: int) -> int:
+    """The target's token at `position` after `logits` [vocab]: what `verify` returns
+    for a round without drafts (the same draw), for decoding without a round trip."""
+    if sampling.is_greedy(params):
+        return int(logits.argmax())
+    p = sampling.probs(logits[None], params).cpu()
+    return Draws(params.seed, "target").sample(p[-1], position)
 
 
 def accept_greedy(target_argmax: list[int], drafts: list[int]) -> tuple[int, int]:

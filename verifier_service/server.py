@@ -15,11 +15,13 @@ from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier_service.acceptance import verify
+from verifier_service.acceptance import decode, verify
 
 log = logging.getLogger("verifier")
 
 MAX_DRAFT_TOKENS = 64
+MAX_STOP_TOKENS = 64
+MAX_DECODE_TOKENS = 1024
 
 
 def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> None:
@@ -69,6 +71,31 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             return verifier_pb2.VerifyResponse(
                 num_accepted=a, next_token=t,
                 batch_pass=verifier_pb2.BatchPass(rows=done.rows, tokens=done.tokens, seconds=done.seconds))
+        except ServiceError as err:
+            await abort(context, err)
+
+
+    async def Decode(self, request: verifier_pb2.DecodeRequest, context):
+        logs.bind_from(context, request.session_id)
+        try:
+            self.check_ready()
+            if not 1 <= request.max_tokens <= MAX_DECODE_TOKENS:
+                raise InvalidArgument("max_tokens", f"must be in [1, {MAX_DECODE_TOKENS}], got {request.max_tokens}")
+            if len(request.stop_token_ids) > MAX_STOP_TOKENS:
+                raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_TOKENS}, got {len(request.stop_token_ids)}")
+            sampling.validate(request.sampling)
+            check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
+            check_token_ids("stop_token_ids", request.stop_token_ids, self.info.vocab_size)
+            if request.start == 0 and not request.new_tokens:
+                raise InvalidArgument("new_tokens", "must not be empty when start is 0")
+            check_length("new_tokens", request.start + len(request.new_tokens) + 1, self.info)
+            session = self.store.get(request.session_id, request.start)
+            with tracing.server_span("verifier.Decode", context, session_id=request.session_id,
+                                     new_tokens=len(request.new_tokens), max_tokens=request.max_tokens):
+                async with self.model_work(session) as seq:
+                    async for token, done in decode(seq, request, self.info.max_positions):
+                        yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=verifier_pb2.BatchPass(
+                            rows=done.rows, tokens=done.tokens, seconds=done.seconds))
         except ServiceError as err:
             await abort(context, err)
 

@@ -14,6 +14,7 @@ import yaml
 
 from cluster import chat_ids, generate, pb, reference
 from specdec import flags, modeling
+from specdec.quantize import quantize
 from deploy.launch import HOST, Service, free_port, stop, wait_serving
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
@@ -155,7 +156,11 @@ def test_dockerfile_installs_what_the_manifests_run():
 
 @pytest.fixture(scope="module")
 def default_target():
-    return modeling.load_model(modeling.DEFAULT_TARGET)
+    """The target alone with the numerics the manifests give the verifier (auto: int8 on a CPU)."""
+    model, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
+    docs = render("cpu")
+    env = environment(container(by_kind(docs, "Deployment")["specdec-verifier"]), docs)
+    return quantize(model, env["SPECDEC_VERIFIER_QUANTIZE"]), tokenizer
 
 
 def test_cpu_overlay_commands_serve_generate(default_target):

@@ -87,6 +87,28 @@ def test_verifier_names_the_field(tiny_cluster, code, field, message):
     expect_error(lambda: stub.Verify(message, timeout=10), code, field)
 
 
+def Decode(session_id="bad-input", start=0, new_tokens=(1, 2), max_tokens=4, **kw):
+    kw.setdefault("sampling", GREEDY)
+    return verifier_pb2.DecodeRequest(session_id=session_id, start=start, new_tokens=new_tokens,
+                                      max_tokens=max_tokens, **kw)
+
+
+@pytest.mark.parametrize("code,field,message", [
+    (grpc.StatusCode.FAILED_PRECONDITION, "unknown session", Decode(session_id="never-opened", start=5)),
+    (grpc.StatusCode.INVALID_ARGUMENT, "max_tokens", Decode(max_tokens=0)),
+    (grpc.StatusCode.INVALID_ARGUMENT, "max_tokens", Decode(max_tokens=1025)),
+    (grpc.StatusCode.INVALID_ARGUMENT, "new_tokens", Decode(new_tokens=[])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "new_tokens[0]", Decode(new_tokens=[VOCAB])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids[1]", Decode(stop_token_ids=[2, -1])),
+    (grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids", Decode(stop_token_ids=list(range(65)))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "new_tokens", Decode(new_tokens=[1] * 9000)),  # past the model's limit
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p", Decode(sampling=common_pb2.SamplingParams(top_p=2.0))),
+])
+def test_verifier_decode_names_the_field(tiny_cluster, code, field, message):
+    stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])
+    expect_error(lambda: stub.Decode(message, timeout=10), code, field)
+
+
 def Propose(session_id="bad-input", start=0, new_tokens=(1, 2), k=2, **kw):
     kw.setdefault("sampling", GREEDY)
     return drafter_pb2.ProposeRequest(session_id=session_id, start=start, new_tokens=new_tokens,

@@ -128,3 +128,73 @@ def test_a_drafter_in_trouble_is_marked_down_and_the_request_moves_on(code):
     drafts, stats, first = propose_with(error(code, "gone"))
     assert drafts == [0, 1, 2] * 2 and stats.drafter_failovers == 1
     assert first.down_until > 0 and first.sessions == 0
+
+
+class FakeDecode:
+    """Each Decode call streams the next scripted tokens, then raises its error if any."""
+
+    def __init__(self, *outcomes):
+        self.outcomes, self.requests, self.calls = list(outcomes), [], []
+
+    def Decode(self, request, timeout=None, metadata=None):
+        self.requests.append(request)
+        tokens, err = self.outcomes.pop(0)
+
+        async def stream():
+            for token in tokens:
+                yield verifier_pb2.DecodeResponse(token_id=token)
+            if err is not None:
+                raise err
+
+        call = FakeCall(stream())
+        self.calls.append(call)
+        return call
+
+
+class FakeCall:
+    """A streaming call: iterated, and cancelled when its reader goes."""
+
+    def __init__(self, stream):
+        self.stream, self.cancelled = stream, False
+
+    def __aiter__(self):
+        return self.stream
+
+    def cancel(self):
+        self.cancelled = True
+        return True
+
+
+def test_a_decode_that_fails_part_way_goes_on_from_the_tokens_it_gave():
+    """A run of 6: the verifier gives 2 tokens and goes away, comes back without the
+    session (a restart): the run resyncs with those 2 tokens and gets the other 4."""
+    stub = FakeDecode(([5, 6], error(grpc.StatusCode.UNAVAILABLE, "gone")),
+                      ([], error(grpc.StatusCode.FAILED_PRECONDITION, f"unknown session; {RESYNC_DETAIL}")),
+                      ([7, 8, 9, 10], None))
+    stats = Stats()
+    link = VerifierLink(SimpleNamespace(stub=stub), "s", PARAMS, stats, timeout_s=60)
+    link.synced = 3
+
+    async def go():
+        return [token async for token, _ in link.decode([1, 2, 3, 4], 6, {99})]
+
+    assert asyncio.run(go()) == [5, 6, 7, 8, 9, 10]
+    assert [(r.start, list(r.new_tokens), r.max_tokens) for r in stub.requests] == [
+        (3, [4], 6), (6, [], 4), (0, [1, 2, 3, 4, 5, 6], 4)]
+    assert list(stub.requests[0].stop_token_ids) == [99]
+    assert stats.resyncs == 1 and link.synced == 10
+
+
+def test_a_decode_the_caller_stops_reading_is_cancelled():
+    stub = FakeDecode(([5, 6, 7, 8], None))
+    link = VerifierLink(SimpleNamespace(stub=stub), "s", PARAMS, Stats(), timeout_s=60)
+
+    async def go():
+        steps = link.decode([1, 2], 4, set())
+        async for token, _ in steps:
+            break
+        await steps.aclose()
+        return token
+
+    assert asyncio.run(go()) == 5
+    assert stub.calls[0].cancelled and link.synced == 3

@@ -52,12 +52,22 @@ class FakeVerifier:
             accepted += 1
         return accepted, target_next(history + drafts[:accepted]), None
 
+    async def decode(self, history, max_tokens, stop):
+        history = list(history)
+        for _ in range(max_tokens):
+            await asyncio.sleep(0)
+            history.append(target_next(history))
+            yield history[-1], None
+            if history[-1] in stop:
+                return
+
 
 class Cycle:
-    """K per round from a fixed cycle, zeros included."""
+    """K per round from a fixed cycle, zeros included; K = 0 decodes runs of 1 to 3 steps."""
 
     def __init__(self, ks):
         self.ks, self.round = ks, 0
+        self.runs = []  # tokens of each run of the target alone
 
     def choose(self):
         self.round += 1
@@ -65,6 +75,12 @@ class Cycle:
 
     def observe(self, *args):
         pass
+
+    def run_length(self, budget):
+        return min(budget, 1 + self.round % 3)
+
+    def observe_run(self, tokens, seconds, passes):
+        self.runs.append(tokens)
 
 
 def run(prompt, max_new, policy, overlap):
@@ -91,8 +107,11 @@ def reference(prompt, max_new):
 @pytest.mark.parametrize("ks", [[2], [3, 0, 2, 0, 0, 1], [1, 4]])
 def test_output_is_the_targets_and_drafts_match_their_history(overlap, ks):
     prompt = [3, 1, 4, 1, 5]
-    out, stats, _ = run(prompt, 60, Cycle(ks), overlap)
+    policy = Cycle(ks)
+    out, stats, _ = run(prompt, 60, policy, overlap)
     assert out == reference(prompt, 60)
+    if 0 in ks:
+        assert max(policy.runs) > 1
     assert 0 < stats.accepted_tokens < stats.draft_tokens
     if overlap:
         assert 0 < stats.lookahead_hits < stats.lookaheads

@@ -98,6 +98,8 @@ VALID = {
         session_id="fuzz", start=0, new_tokens=[1, 2, 3], draft_tokens=[4, 5], sampling=SAMPLED,
         draft_probs=[common_pb2.SparseDistribution(token_ids=[4, 9], probs=[0.75, 0.25]),
                      common_pb2.SparseDistribution(token_ids=[5], probs=[1.0])]),
+    "specdec.verifier.v1.VerifierService/Decode": verifier_pb2.DecodeRequest(
+        session_id="fuzz", start=0, new_tokens=[1, 2, 3], max_tokens=4, stop_token_ids=[0], sampling=SAMPLED),
     "specdec.verifier.v1.VerifierService/CloseSession": verifier_pb2.CloseSessionRequest(session_id="fuzz"),
     "specdec.verifier.v1.VerifierService/GetModelInfo": verifier_pb2.GetModelInfoRequest(),
     "specdec.verifier.v1.VerifierService/ListSessions": verifier_pb2.ListSessionsRequest(),

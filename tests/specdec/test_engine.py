@@ -296,3 +296,96 @@ def test_a_session_closed_during_a_pass_keeps_its_blocks_until_the_pass_ends(mod
     for seq in (staying, newcomer):
         eng.release(seq)
     assert len(eng.pool.free) == eng.pool.capacity
+
+
+def greedy_reference(models, prompt, n):
+    out = list(prompt)
+    for _ in range(n):
+        out.append(int(fresh(models, out, 1)[0].argmax()))
+    return out[len(prompt):]
+
+
+def test_decode_runs_the_target_alone_beside_other_rows(models):
+    """Decode picks a token per pass on the engine's thread; each is what a fresh forward
+    picks, while another session's rounds share the passes; it stops when pick says."""
+    eng = engine(models)
+    seq, other = eng.new_sequence(), eng.new_sequence()
+    seq.sync(0, tokens(30, 10))
+    other.sync(0, tokens(40, 11))
+    rows_seen = []
+
+    def pick(logits):
+        token = int(logits.argmax())
+        return token, len(seq.tokens) + 1 < 30 + 12
+
+    async def rounds():
+        for i in range(8):
+            other.extend([i + 1, i + 2])
+            await eng.forward(other, 3)
+
+    async def go():
+        task = asyncio.ensure_future(rounds())
+        got = []
+        async for token, done in seq.decode(pick):
+            got.append(token)
+            rows_seen.append(done.rows)
+        await task
+        return got
+
+    got = asyncio.run(go())
+    assert got == greedy_reference(models, tokens(30, 10), 12)
+    assert seq.tokens[30:] == got and seq.cached == 30 + 11  # the last token is not computed
+    assert max(rows_seen) == 2  # it shared passes with the other session
+    eng.release(seq)
+    eng.release(other)
+    assert len(eng.pool.free) == eng.pool.capacity and not eng.queue
+
+
+def test_decode_stopped_early_leaves_the_session_consistent(models):
+    eng = engine(models)
+    seq = eng.new_sequence()
+    prompt = tokens(25, 12)
+    seq.sync(0, prompt)
+
+    async def go():
+        got = []
+        steps = seq.decode(lambda logits: (int(logits.argmax()), True))
+        async for token, _ in steps:
+            got.append(token)
+            if len(got) == 3:
+                break
+        await steps.aclose()  # the caller went: the decoding stops
+        assert not eng.queue
+        held = len(seq.tokens)
+        assert held >= 25 + 3 and seq.cached <= held
+        seq.sync(25 + 3, [])  # the next call keeps what it read
+        logits, _ = await eng.forward(seq, 1)
+        return got, logits
+
+    got, logits = asyncio.run(go())
+    assert got == greedy_reference(models, prompt, 3)
+    close(logits, fresh(models, prompt + got, 1))
+
+
+def test_a_failing_pick_ends_its_decode_not_the_engine(models):
+    eng = engine(models)
+    seq = eng.new_sequence()
+    seq.sync(0, tokens(10, 13))
+    picks = []
+
+    def pick(logits):
+        picks.append(1)
+        if len(picks) == 3:
+            raise ValueError("bad pick")
+        return int(logits.argmax()), True
+
+    async def go():
+        got = []
+        with pytest.raises(ValueError, match="bad pick"):
+            async for token, _ in seq.decode(pick):
+                got.append(token)
+        return got
+
+    assert len(asyncio.run(go())) == 2
+    seq.sync(12, [])
+    close(eng.forward_now(seq, 1)[0], fresh(models, seq.tokens, 1))

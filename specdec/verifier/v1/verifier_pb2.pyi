@@ -43,6 +43,30 @@ class BatchPass(_message.Message):
     seconds: float
     def __init__(self, rows: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id", "start", "new_tokens", "sampling", "max_tokens", "stop_token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: int
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_id", "batch_pass")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PASS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    batch_pass: BatchPass
+    def __init__(self, token_id: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ...) -> None: ...
+
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class VerifierServiceStub:
                 request_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specdec.verifier.v1.VerifierService/Decode',
+                request_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.verifier.v1.VerifierService/CloseSession',
                 request_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.CloseSessionRequest.SerializeToString,
@@ -73,6 +78,19 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decode(self, request, context):
+        """The target alone: brings the session up to date with the committed history,
+        then decodes up to max_tokens tokens, one per forward pass (each shared with the
+        other sessions ready at the same time), streaming each as soon as it is picked.
+        It stops after a stop token. The tokens are the ones a sequence of Verify calls
+        with no drafts would return, greedy or sampled; a client that stops reading
+        early keeps only what it read (the next call's `start` says what it holds).
+        FAILED_PRECONDITION: as for Verify.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Releases a session's cache. Closing an unknown session is not an error.
         """
@@ -101,6 +119,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
+                    response_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -146,6 +169,33 @@ class VerifierService:
             '/specdec.verifier.v1.VerifierService/Verify',
             specdec_dot_verifier_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
             specdec_dot_verifier_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specdec.verifier.v1.VerifierService/Decode',
+            specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
+            specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
