@@ -14,6 +14,7 @@ from specdec import modeling, sampling
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine
 from specdec.kv import PagedSequence, TokenSequence
+from specdec.lookup import suffix_match
 
 # One draft token, and the sparse distribution it was sampled from (None: one-hot).
 Draft = tuple[int, common_pb2.SparseDistribution | None]
@@ -89,18 +90,14 @@ class NgramProposer(Proposer):
         self.max_n, self.min_n = max_n, min_n
 
     def info(self) -> common_pb2.ModelInfo:
-        return common_pb2.ModelInfo(model_name="ngram", max_positions=1 << 30, kind="ngram")
+        return common_pb2.ModelInfo(model_name="ngram", max_positions=1 << 30, kind="ngram",
+                                    lookup_min_match=self.min_n, lookup_max_match=self.max_n)
 
     def new_sequence(self) -> TokenSequence:
         return TokenSequence()
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            suffix = tokens[-n:]
-            for i in range(len(tokens) - n - 1, -1, -1):
-                if tokens[i:i + n] == suffix:
-                    return tokens[i + n:i + n + k]
-        return []
+        return suffix_match(tokens, k, self.max_n, self.min_n)
 
     async def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
         for token in self.lookup(seq.tokens, k):
@@ -123,6 +120,7 @@ class HybridProposer(Proposer):
     def info(self) -> common_pb2.ModelInfo:
         info = self.model.info()
         info.kind = "hybrid"
+        info.lookup_min_match, info.lookup_max_match = self.lookup.min_n, self.lookup.max_n
         return info
 
     def new_sequence(self) -> PagedSequence:

@@ -14,6 +14,11 @@ falls smoothly to 0 (the target alone) where speculation stops paying; at one st
 is the unbatched rule. Costs belong to the deployment and are shared by all requests
 (RoundCosts); alpha belongs to the request, starting from the deployment's average.
 
+Where the drafter drafts by prompt lookup (its rule, specdec.lookup, holds on the
+history), drafts cost no model step and pass far more or far less often than the
+model's: those rounds have an acceptance and a drafter cost of their own, and K is
+chosen among the tokens the match offers (SuffixDecoding's split, per round).
+
 K = 0 is the target alone, and it runs as the target alone would: a run of steps in one
 verifier call (Decode), with no call per token. Its price is what runs measured per
 token, so speculation must beat the target alone as the deployment serves it."""
@@ -83,6 +88,15 @@ class RoundCosts:
         self.tried: set[int] = set()
         self.accepted, self.tested = alpha_prior, 1.0  # decayed counts over all rounds
         self.plain: float | None = None  # seconds per token of the target alone, in runs
+        # Rounds drafted by prompt lookup: their drafter calls by K, and their acceptance.
+        self.lookup_draft = _Curve()
+        self.lookup_draft.add(0, 0.0)
+        self.lookup_accepted, self.lookup_tested = alpha_prior, 1.0
+        self.lookup_tried = False
+
+    @property
+    def lookup_alpha(self) -> float:
+        return self.lookup_accepted / self.lookup_tested
 
     @property
     def alpha(self) -> float:
@@ -103,8 +117,15 @@ class RoundCosts:
         return None if seconds is None else seconds + self.overhead
 
     def observe(self, k: int, draft_s: float | None, verify_s: float, accepted: int, tested: int,
-                batch_pass: BatchPass | None = None) -> None:
-        if draft_s is not None and k > 0:
+                batch_pass: BatchPass | None = None, lookup: bool = False) -> None:
+        if lookup:
+            self.lookup_tried = True
+            if draft_s is not None:
+                self.lookup_draft.add(k, draft_s)
+            self.lookup_accepted = self.decay * self.lookup_accepted + accepted
+            self.lookup_tested = self.decay * self.lookup_tested + tested
+            accepted = tested = 0  # the model's acceptance is the model's rounds'
+        elif draft_s is not None and k > 0:
             self.draft.add(k, draft_s)
         if batch_pass is None or batch_pass.rows < 1:  # a verifier that does not say: the call is the pass
             batch_pass = BatchPass(rows=1, tokens=k + 1, seconds=verify_s)
@@ -132,10 +153,13 @@ class FixedK:
     """The K a request asked for."""
 
     def __init__(self, k: int):
-        self.k = k
+        self.k = self.k_max = k
 
-    def choose(self) -> int:
+    def choose(self, matched: int = 0) -> int:
         return self.k
+
+    def lookup_pays(self, matched: int) -> bool:
+        return False
 
     def run_length(self, budget: int) -> int:
         """Steps of the target alone in one call, when a round drafts nothing."""
@@ -145,7 +169,7 @@ class FixedK:
         pass
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
-                batch_pass: BatchPass | None = None) -> None:
+                batch_pass: BatchPass | None = None, lookup: bool = False) -> None:
         pass
 
 
@@ -168,6 +192,7 @@ class AdaptiveK:
         self.costs, self.k_max, self.k_start = costs, k_max, min(k_start, k_max)
         self.probe_every, self.prior_weight, self.min_gain = probe_every, prior_weight, min_gain
         self.accepted, self.tested, self.rounds = 0, 0, 0
+        self.lookup_accepted, self.lookup_tested = 0, 0
         self.rng = random.Random(seed)
         self.backoff, self.max_backoff = 1, 8
 
@@ -188,8 +213,43 @@ class AdaptiveK:
             return None
         return expected_tokens(self.alpha, k) / max(draft + verify, 1e-6)
 
-    def choose(self) -> int:
+    @property
+    def lookup_alpha(self) -> float:
+        prior = self.costs.lookup_alpha
+        return (self.lookup_accepted + self.prior_weight * prior) / (self.lookup_tested + self.prior_weight)
+
+    def lookup_speed(self, k: int) -> float | None:
+        """Predicted tokens per second of a lookup round drafting k of the match's tokens."""
+        verify, draft = self.costs.verify(k), self.costs.lookup_draft(k)
+        if verify is None or draft is None:
+            return None
+        return expected_tokens(self.lookup_alpha, k) / max(draft + verify, 1e-6)
+
+    def _lookup_k(self, matched: int) -> int:
+        """The best K for a round the drafter drafts by lookup (0: the target alone)."""
+        if not self.costs.lookup_tried:
+            return min(matched, self.k_max, self.k_start)
+        speeds = {k: self.lookup_speed(k) for k in range(1, min(matched, self.k_max) + 1)}
+        known = {k: v for k, v in speeds.items() if v is not None}
+        base = self.speed(0)
+        if not known or base is None:
+            return min(matched, self.k_max, self.k_start)
+        best = max(known, key=known.get)
+        return best if known[best] >= (1 + self.min_gain) * base else 0
+
+    def lookup_pays(self, matched: int) -> bool:
+        """Whether a lookup round would now beat the target alone (a run stops for it)."""
+        return matched > 0 and self._lookup_k(matched) > 0
+
+    def choose(self, matched: int = 0) -> int:
+        """K for the next round; `matched`: the tokens a lookup match offers (the drafter
+        drafts this round by lookup), 0 if none."""
         self.rounds += 1
+        if matched and 0 in self.costs.tried:
+            k = self._lookup_k(matched)
+            if k == 0 and self.rounds % self.probe_period() == 0:
+                return 1  # keep this request's lookup acceptance current
+            return k
         tried = self.costs.tried
         for k in (0, min(1, self.k_max)):
             if k not in tried:
@@ -226,8 +286,12 @@ class AdaptiveK:
         self.costs.observe_run(tokens, seconds, passes)
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
-                batch_pass: BatchPass | None = None) -> None:
+                batch_pass: BatchPass | None = None, lookup: bool = False) -> None:
         tested = accepted + (1 if accepted < k else 0) if k > 0 else 0
-        self.accepted += accepted
-        self.tested += tested
-        self.costs.observe(k, draft_s, verify_s, accepted, tested, batch_pass)
+        if lookup:
+            self.lookup_accepted += accepted
+            self.lookup_tested += tested
+        else:
+            self.accepted += accepted
+            self.tested += tested
+        self.costs.observe(k, draft_s, verify_s, accepted, tested, batch_pass, lookup)

@@ -71,6 +71,9 @@ class DrafterPool:
         self.retry_s = retry_s
         self.credentials, self.options = credentials, [*CHANNEL_OPTIONS, *options]
         self.replicas: dict[str, Replica] = {}
+        # The drafters' prompt-lookup rule (min, max match), as the last replica checked
+        # says (a deployment's replicas run one configuration); None: they never look up.
+        self.lookup_rule: tuple[int, int] | None = None
         self.update(addresses)
 
     def update(self, addresses: list[str]) -> None:
@@ -94,6 +97,7 @@ class DrafterPool:
         info = await wait_for_info(replica.stub, drafter_pb2.GetModelInfoRequest(), wait_s)
         check_vocab(replica.address, info, self.target_fingerprint, self.target_name)
         replica.checked = True
+        self.lookup_rule = (info.lookup_min_match, info.lookup_max_match) if info.lookup_max_match > 0 else None
 
     async def acquire(self) -> Replica | None:
         """The least-loaded healthy replica, or None: the request goes on without one."""

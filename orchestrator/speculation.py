@@ -19,6 +19,7 @@ from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec import tracing
 from specdec.errors import needs_resync
+from specdec.lookup import suffix_match
 from specdec.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.pool import DrafterPool, Replica
@@ -65,6 +66,8 @@ class Stats:
     pass_rows: int = 0  # rows of the verifier passes that ran the rounds, summed
     rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per number of drafts
     drafter_resyncs: int = 0  # of resyncs, those of the drafter session
+    lookup_rounds: int = 0  # rounds the drafter drafted by prompt lookup
+    runs_cut: int = 0  # runs of the target alone stopped early for a lookup round
     # Called after each round with (K asked, drafts verified, accepted, drafter call seconds
     # or None, verifier call seconds): the deployment's metrics.
     on_round: Callable[[int, int, int, float | None, float], None] | None = None
@@ -183,6 +186,14 @@ class DrafterLink:
         self.replica: Replica | None = None
         self.synced = 0
         self.refused = False  # a replica refused this request: it goes on without drafts
+
+    def lookup_match(self, history: list[int], k: int) -> int:
+        """How many drafts the drafter would take by prompt lookup after `history` (up to
+        k; its rule on the committed history), 0 if it would draft with its model."""
+        rule = self.pool.lookup_rule
+        if rule is None or self.refused:
+            return 0
+        return len(suffix_match(history, k, rule[1], rule[0]))
 
     async def propose(self, history: list[int], k: int, committed: int | None = None
                       ) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
@@ -340,16 +351,20 @@ async def speculate(
     """Yields the tokens committed by each round until max_new_tokens or an EOS token.
     With `overlap`, the drafter drafts the next round while the verifier checks this one."""
     policy = FixedK(k) if isinstance(k, int) else k
+    k_max = policy.k_max
     history = list(prompt)
     produced = 0
     ahead: tuple[list[int], list[common_pb2.SparseDistribution]] | None = None
     lookahead: _Lookahead | None = None
     try:
         while produced < max_new_tokens:
+            # Whether the drafter will draft this round by prompt lookup, and how far.
+            matched = drafter.lookup_match(history, k_max)
             # A round commits at most k + 1 tokens: never draft past the budget.
-            k_round = min(policy.choose(), max_new_tokens - produced - 1)
+            k_round = min(policy.choose(matched), max_new_tokens - produced - 1)
             if k_round <= 0:
-                # The target alone: steps decoded in one verifier call, not a call per step.
+                # The target alone: steps decoded in one verifier call, not a call per step;
+                # it stops early where a lookup match would pay for a round.
                 ahead = None
                 async with contextlib.aclosing(_plain_run(policy, max_new_tokens - produced, eos, history, verifier,
                                                           stats, trace_context)) as run:
@@ -359,7 +374,11 @@ async def speculate(
                         yield [token]
                         if token in eos:
                             return
+                        if policy.lookup_pays(drafter.lookup_match(history, k_max)):
+                            stats.runs_cut += 1
+                            break
                 continue
+            lookup = matched > 0
             # The round's span is current only while this coroutine runs the round (never
             # across a yield): its calls, and a look-ahead started in it, are its children.
             span = tracing.tracer.start_span("round", context=trace_context, attributes={"k": k_round})
@@ -383,7 +402,9 @@ async def speculate(
                 accepted, next_token, batch_pass = await verifier.verify(history, drafts, qs)
                 verified = time.perf_counter()
                 policy.observe(len(drafts), accepted, drafted - started if drafts else None, verified - drafted,
-                               batch_pass)
+                               batch_pass, lookup)
+                if lookup:
+                    stats.lookup_rounds += 1
                 stats.observe_pass(batch_pass)
                 stats.draft_s += drafted - started
                 stats.verify_s += verified - drafted

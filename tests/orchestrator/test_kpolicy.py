@@ -183,3 +183,47 @@ def test_runs_end_at_the_budget_and_at_the_next_probe():
     policy.observe_run(15, 0.3, [])
     assert policy.rounds == 15
     assert FixedK(0).run_length(100) == 32 and FixedK(0).run_length(5) == 5 and FixedK(3).run_length(100) == 1
+
+
+def lookup_deployment(lookup_alpha: float, rounds: int = 300, seed: int = 0):
+    """A CPU-like deployment where model drafts never pay (alpha 0.1) and every third
+    round the history holds an 8-token lookup match whose drafts pass with lookup_alpha;
+    a lookup draft costs only the drafter call (1 ms). -> (policy, K chosen at matches)"""
+    costs, rng = RoundCosts(), random.Random(seed)
+    step, call = 0.017, 0.002
+    policy = AdaptiveK(costs, k_max=8, k_start=4, seed=seed)
+    at_matches = []
+    for r in range(rounds):
+        matched = 8 if r % 3 == 0 else 0
+        k = policy.choose(matched)
+        if k == 0:
+            policy.observe_run(1, step, [BatchPass(rows=1, tokens=1, seconds=step)])
+            continue
+        alpha = lookup_alpha if matched else 0.1
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        draft = 0.001 if matched else 0.1 * step * k
+        pass_s = step * (1 + 0.05 * k)
+        policy.observe(k, accepted, draft, pass_s + call, BatchPass(rows=1, tokens=k + 1, seconds=pass_s),
+                       lookup=bool(matched))
+        if matched:
+            at_matches.append(k)
+    return policy, at_matches
+
+
+def test_lookup_rounds_are_chosen_where_the_match_pays():
+    """Model drafts that never pay leave K = 0 for plain rounds, while a long lookup match
+    whose drafts pass gets a long round: the two sources keep their own acceptance."""
+    policy, at_matches = lookup_deployment(0.9)
+    assert sorted(at_matches[-30:])[15] >= 4
+    assert policy.lookup_alpha > 0.8 and policy.alpha < 0.3
+    assert policy.choose(0) == 0 or policy.rounds % policy.probe_period() == 0
+    assert policy.lookup_pays(8) and not policy.lookup_pays(0)
+
+
+def test_lookup_rounds_that_fail_fall_back_to_the_target_alone():
+    policy, at_matches = lookup_deployment(0.05)
+    assert at_matches[0] == 4  # the deployment's first lookup round tries k_start
+    assert max(at_matches[1:]) <= 1 and len(at_matches) <= 10  # then probes only, of 100 matches
+    assert not policy.lookup_pays(8)

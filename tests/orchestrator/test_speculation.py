@@ -28,6 +28,9 @@ class FakeDrafter:
         self.drafted_for: dict[tuple, list[int]] = {}  # a history -> the drafts made after it
         self.calls = 0
 
+    def lookup_match(self, history, k):
+        return 0
+
     async def propose(self, history, k, committed=None):
         self.calls += 1
         await asyncio.sleep(0)
@@ -66,12 +69,15 @@ class Cycle:
     """K per round from a fixed cycle, zeros included; K = 0 decodes runs of 1 to 3 steps."""
 
     def __init__(self, ks):
-        self.ks, self.round = ks, 0
+        self.ks, self.round, self.k_max = ks, 0, max(ks)
         self.runs = []  # tokens of each run of the target alone
 
-    def choose(self):
+    def choose(self, matched=0):
         self.round += 1
         return self.ks[(self.round - 1) % len(self.ks)]
+
+    def lookup_pays(self, matched):
+        return False
 
     def observe(self, *args):
         pass
@@ -127,3 +133,46 @@ def test_a_used_lookahead_saves_the_drafter_call():
     # drafter itself, and each look-ahead is one more call.
     assert stats.rounds == plain_stats.rounds and stats.lookahead_hits > 0
     assert overlapped.calls == plain.calls - stats.lookahead_hits + stats.lookaheads
+
+
+class LookupDrafter(FakeDrafter):
+    """Says it would draft by lookup after every 5th token of history."""
+
+    def lookup_match(self, history, k):
+        return min(k, 3) if len(history) % 5 == 0 else 0
+
+
+class LookupPolicy(Cycle):
+    """K = 0 in runs of up to 8 steps, K = 3 wherever a lookup match is offered."""
+
+    def __init__(self):
+        super().__init__([0])
+        self.k_max, self.lookups = 3, []
+
+    def choose(self, matched=0):
+        self.round += 1
+        return 3 if matched else 0
+
+    def lookup_pays(self, matched):
+        return matched > 0
+
+    def run_length(self, budget):
+        return min(budget, 8)
+
+    def observe(self, k, accepted, draft_s, verify_s, batch_pass=None, lookup=False):
+        self.lookups.append(lookup)
+
+
+def test_a_run_stops_where_a_lookup_round_pays_and_the_output_is_the_targets():
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    policy, drafter, stats = LookupPolicy(), LookupDrafter(), Stats()
+
+    async def go():
+        out = []
+        async for new in speculate(prompt, 60, policy, set(), drafter, FakeVerifier(drafter), stats):
+            out.extend(new)
+        return out
+
+    assert asyncio.run(go()) == reference(prompt, 60)
+    assert stats.runs_cut > 0 and stats.lookup_rounds == sum(policy.lookups) > 0
+    assert max(policy.runs) <= 5  # cut at the next match, well before its 8 steps

@@ -27,20 +27,24 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "max_positions", "kind")
+    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "max_positions", "kind", "lookup_min_match", "lookup_max_match")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MIN_MATCH_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MAX_MATCH_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     vocab_fingerprint: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_positions: int
     kind: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+    lookup_min_match: int
+    lookup_max_match: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., kind: _Optional[str] = ..., lookup_min_match: _Optional[int] = ..., lookup_max_match: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "tokens", "idle_seconds")
