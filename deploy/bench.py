@@ -11,7 +11,8 @@ On one prompt set, in one run, interleaved per prompt:
                is verified
   ngram        `specdec up --draft ngram`: the prompt-lookup drafter
   hybrid       `specdec up --proposer hybrid`: prompt lookup when the context holds a
-               long match, the model draft otherwise; K fixed (-k), as for grpc
+               long match, the model draft otherwise; K chosen each round, lookup rounds
+               priced apart
 
 Prompts come in categories (open chat, code, repetitive tasks whose answer copies the
 prompt, plain-text continuation); speedups are reported overall and per category.
@@ -55,6 +56,7 @@ log = logging.getLogger("bench")
 DEFAULT_PROMPTS = Path(__file__).parent / "bench_prompts.txt"
 IN_PROCESS_KV_BYTES = 256 << 20
 VARIANTS = ("target", "assisted", "inprocess", "grpc", "adaptive", "overlap", "ngram", "hybrid")
+PER_ROUND = ("adaptive", "hybrid")  # the variants whose K the orchestrator chooses
 ROUND_VARIANTS = ("inprocess", "grpc", "overlap")  # the model draft at the fixed K: step costs explain them
 
 
@@ -514,7 +516,7 @@ class Setup:
             return run_hf(variant, index, self.target, ids, args.max_new_tokens, assistant=self.draft)
         if variant == "inprocess":
             return run_inprocess(index, self.target_engine, self.proposer, ids, args.max_new_tokens, args.k, self.eos)
-        k = None if variant == "adaptive" else args.k
+        k = None if variant in PER_ROUND else args.k
         return run_grpc(variant, index, self.stubs[variant], ids, args.max_new_tokens, k)
 
 
@@ -545,7 +547,7 @@ def run(args) -> dict:
             for setup in setups:
                 run_hf("target", -1, setup.target, warm, 4)
                 for name, stub in setup.stubs.items():
-                    run_grpc(name, -1, stub, warm, 4, None if name == "adaptive" else args.k)
+                    run_grpc(name, -1, stub, warm, 4, None if name in PER_ROUND else args.k)
             runs = []
             for repeat in range(args.repeats):
                 for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
