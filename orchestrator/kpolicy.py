@@ -226,8 +226,11 @@ class AdaptiveK:
         return expected_tokens(self.lookup_alpha, k) / max(draft + verify, 1e-6)
 
     def _lookup_k(self, matched: int) -> int:
-        """The best K for a round the drafter drafts by lookup (0: the target alone)."""
-        if not self.costs.lookup_tried:
+        """The best K for a round the drafter drafts by lookup (0: the target alone). A
+        request's first match is tried whatever the deployment's lookup acceptance: how
+        much an output copies its context is the request's own (a chat answer rarely does,
+        an edit of a text mostly does)."""
+        if not self.costs.lookup_tried or self.lookup_tested == 0:
             return min(matched, self.k_max, self.k_start)
         speeds = {k: self.lookup_speed(k) for k in range(1, min(matched, self.k_max) + 1)}
         known = {k: v for k, v in speeds.items() if v is not None}
