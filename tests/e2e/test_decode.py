@@ -3,7 +3,6 @@ tokens, the same tokens that one Verify call per token without drafts gives (gre
 and seeded sampling), stopping at a stop token, and a client that stops reading early
 leaves a session the next call picks up from what it read."""
 
-import grpc
 import pytest
 
 from cluster import verifier_pb2
