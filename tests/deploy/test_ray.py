@@ -154,14 +154,14 @@ def test_killed_verifier_is_found_again_on_its_new_port(deployment, stubs, expec
     ray.kill(deployment.verifier, no_restart=False)
     deadline = time.monotonic() + 180
     while True:
-        try:
+        try:  # a call that meets the actor between incarnations is refused (ActorUnavailableError): again
             if ray.get(deployment.verifier.serving.remote(), timeout=10):
+                after = ray.get(deployment.verifier.address.remote(), timeout=10)
                 break
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass
         assert time.monotonic() < deadline, "the verifier never came back"
         time.sleep(0.5)
-    after = ray.get(deployment.verifier.address.remote())
     assert after != before  # a new port: only looking it up again finds it
     ids, want = expected[PROMPTS[0]]
     deadline = time.monotonic() + 30
