@@ -19,7 +19,7 @@ from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec import tracing
 from specdec.errors import needs_resync
-from specdec.lookup import suffix_match
+from specdec.lookup import LookupIndex
 from specdec.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.pool import DrafterPool, Replica
@@ -186,14 +186,19 @@ class DrafterLink:
         self.replica: Replica | None = None
         self.synced = 0
         self.refused = False  # a replica refused this request: it goes on without drafts
+        self.lookup: LookupIndex | None = None  # the drafters' lookup rule over this request's history
 
     def lookup_match(self, history: list[int], k: int) -> int:
         """How many drafts the drafter would take by prompt lookup after `history` (up to
-        k; its rule on the committed history), 0 if it would draft with its model."""
+        k; its rule on the committed history, which only grows), 0 if it would draft with
+        its model."""
         rule = self.pool.lookup_rule
         if rule is None or self.refused:
             return 0
-        return len(suffix_match(history, k, rule[1], rule[0]))
+        if self.lookup is None or (self.lookup.min_n, self.lookup.max_n) != rule:
+            self.lookup = LookupIndex(rule[1], rule[0])
+        self.lookup.update(history)
+        return len(self.lookup.match(k))
 
     async def propose(self, history: list[int], k: int, committed: int | None = None
                       ) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
