@@ -216,8 +216,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             yield pb.GenerateResponse(result=self.result(req, text, stats))
             outcome, code = "ok", "OK"
             metrics.e2e.observe(time.monotonic() - started)
-            log.info("[%s] done: %d tokens in %d rounds (by drafts: %s), acceptance %.2f, %d resyncs, %d drafter "
-                     "failovers", req.label, len(text.ids), stats.rounds, dict(sorted(stats.rounds_by_k.items())),
+            log.info("[%s] done: %d tokens in %d rounds (by drafts: %s; %d drafted by lookup, %d runs of the target "
+                     "alone cut for one), acceptance %.2f, %d resyncs, %d drafter failovers", req.label, len(text.ids),
+                     stats.rounds, dict(sorted(stats.rounds_by_k.items())), stats.lookup_rounds, stats.runs_cut,
                      _rate(stats), stats.resyncs, stats.drafter_failovers)
             if req.k is None:
                 log.debug("[%s] costs: %s", req.label, self.costs.describe())
