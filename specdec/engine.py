@@ -55,7 +55,7 @@ class Group:
     rounds beside it are not padded to its size."""
     read_slots: torch.Tensor  # [b, L] slots each row reads; padding reads slot 0 (zeros)
     q_index: torch.Tensor     # [b, Q] packed index of each row's j-th new token (padding: 0)
-    mask: torch.Tensor        # [b, 1, Q, L] query may attend key
+    mask: torch.Tensor | None  # [b, 1, Q, L] query may attend key (None: every query attends every key)
     packed: torch.Tensor      # [t] packed indices of the group's new tokens
     flat: torch.Tensor        # [t] where each of them sits in the group's [b * Q] output
 
@@ -81,17 +81,31 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_pool, v_pool = plan.pool.k[layer], plan.pool.v[layer]
     k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
+    if len(plan.groups) == 1 and plan.groups[0].read_slots.shape[0] == 1:
+        # The pass's one row (a decode step, one session's round): its tokens in order,
+        # nothing to pick out or place back.
+        o = _attend(plan.groups[0], query.to(plan.dtype), k_pool, v_pool, plan.dtype, scaling)
+        return o.transpose(1, 2).to(query.dtype), None
     queries = query[0].transpose(0, 1).to(plan.dtype)  # [T, heads, d]
     out = torch.empty_like(queries)
     for g in plan.groups:
-        k = k_pool[g.read_slots].transpose(1, 2).to(plan.dtype)  # [b, kv_heads, L, d]
-        v = v_pool[g.read_slots].transpose(1, 2).to(plan.dtype)
-        q = queries[g.q_index].transpose(1, 2)  # [b, heads, Q, d]
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling,
-                                                             enable_gqa=True)
+        b = g.read_slots.shape[0]
+        q = queries.index_select(0, g.q_index.view(-1)).view(b, -1, *queries.shape[1:]).transpose(1, 2)
+        o = _attend(g, q, k_pool, v_pool, plan.dtype, scaling)
         b, heads, width, d = o.shape
         out.index_copy_(0, g.packed, o.transpose(1, 2).reshape(b * width, heads, d)[g.flat])
     return out.unsqueeze(0).to(query.dtype), None
+
+
+def _attend(g: Group, q, k_pool, v_pool, dtype, scaling) -> torch.Tensor:
+    """q: [b, heads, Q, d] -> [b, heads, Q, d], each row attending the slots it reads."""
+    b, length = g.read_slots.shape
+    # index_select, not indexing with the [b, L] tensor: a third less time at a step's sizes
+    k = k_pool.index_select(0, g.read_slots.view(-1)).view(b, length, *k_pool.shape[1:])
+    v = v_pool.index_select(0, g.read_slots.view(-1)).view(b, length, *v_pool.shape[1:])
+    k, v = k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)  # [b, kv_heads, L, d]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling,
+                                                            enable_gqa=True)
 
 
 AttentionInterface.register(ATTENTION, paged_attention)
@@ -235,17 +249,13 @@ class Engine:
 
         work = self.submit(seq, 1, then=then)
         finished = asyncio.wrap_future(work.future)
+        # The work's end comes through the same queue, behind every token picked before it:
+        # one wait per token, not a wait on two futures.
+        finished.add_done_callback(lambda _: picked.put_nowait(None))
         try:
-            while True:
-                waiting = asyncio.ensure_future(picked.get())
-                await asyncio.wait([waiting, finished], return_when=asyncio.FIRST_COMPLETED)
-                if not waiting.done():
-                    waiting.cancel()
-                    while not picked.empty():  # picked before the work finished
-                        yield picked.get_nowait()
-                    finished.result()  # the pass's error, if one failed
-                    return
-                yield waiting.result()
+            while (item := await picked.get()) is not None:
+                yield item
+            finished.result()  # the pass's error, if one failed
         finally:
             if not finished.done():
                 # The caller stops early (or was cancelled): the session must not change
@@ -445,8 +455,11 @@ class Engine:
             q_pos.append(list(range(row.start, end)) + [0] * pad)  # padding attends slot 0 only
             packed += range(offset, offset + row.n)
             flat += range(b * width, b * width + row.n)
-        mask = torch.arange(length, device=device)[None, None, :] <= torch.tensor(q_pos, device=device)[:, :, None]
-        return Group(read_slots, torch.tensor(q_index, device=device), mask.unsqueeze(1),
+        mask = None
+        if len(placed) > 1 or width > 1:  # one row of one token attends all it reads: no mask to build or apply
+            mask = (torch.arange(length, device=device)[None, None, :]
+                    <= torch.tensor(q_pos, device=device)[:, :, None]).unsqueeze(1)
+        return Group(read_slots, torch.tensor(q_index, device=device), mask,
                      torch.tensor(packed, device=device), torch.tensor(flat, device=device))
 
     def _commit(self, batch: list[Row], logits: torch.Tensor | None, error: Exception | None, done: Pass) -> None:
