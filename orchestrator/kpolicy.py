@@ -116,27 +116,32 @@ class RoundCosts:
         seconds = self.batch_pass(max(1.0, self.rows) * (k + 1))
         return None if seconds is None else seconds + self.overhead
 
-    def observe(self, k: int, draft_s: float | None, verify_s: float, accepted: int, tested: int,
-                batch_pass: BatchPass | None = None, lookup: bool = False) -> None:
+    def observe_drafts(self, k: int, draft_s: float | None, accepted: int, tested: int,
+                       lookup: bool = False) -> None:
+        """A round's drafts, or drafts checked beside a run: what the drafter took for k, and
+        how many of them the target accepted (`tested`: accepted plus the rejection, if any)."""
         if lookup:
             self.lookup_tried = True
             if draft_s is not None:
                 self.lookup_draft.add(k, draft_s)
             self.lookup_accepted = self.decay * self.lookup_accepted + accepted
             self.lookup_tested = self.decay * self.lookup_tested + tested
-            accepted = tested = 0  # the model's acceptance is the model's rounds'
-        elif draft_s is not None and k > 0:
+            return  # the model's acceptance is the model's rounds'
+        if draft_s is not None and k > 0:
             self.draft.add(k, draft_s)
+        if tested:
+            self.accepted = self.decay * self.accepted + accepted
+            self.tested = self.decay * self.tested + tested
+
+    def observe(self, k: int, draft_s: float | None, verify_s: float, accepted: int, tested: int,
+                batch_pass: BatchPass | None = None, lookup: bool = False) -> None:
+        self.observe_drafts(k, draft_s, accepted, tested, lookup)
         if batch_pass is None or batch_pass.rows < 1:  # a verifier that does not say: the call is the pass
             batch_pass = BatchPass(rows=1, tokens=k + 1, seconds=verify_s)
         self.tried.add(k)
         self.batch_pass.add(batch_pass.tokens, batch_pass.seconds)
         self.rows = 0.9 * self.rows + 0.1 * batch_pass.rows
         self.overhead = 0.9 * self.overhead + 0.1 * max(0.0, verify_s - batch_pass.seconds)
-        if tested:
-            self.accepted = self.decay * self.accepted + accepted
-            self.tested = self.decay * self.tested + tested
-
 
     def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass]) -> None:
         """A run of the target alone: `tokens` steps in `seconds`, through `passes`."""
@@ -165,7 +170,13 @@ class FixedK:
         """Steps of the target alone in one call, when a round drafts nothing."""
         return min(budget, RUN_MAX if self.k == 0 else 1)
 
+    def beside_run(self) -> int:
+        return 0
+
     def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass]) -> None:
+        pass
+
+    def observe_beside(self, k: int, accepted: int, draft_s: float, lookup: bool = False) -> None:
         pass
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
@@ -181,6 +192,11 @@ class AdaptiveK:
     the probes find the target alone best, each waits twice as long as the last (up to
     `max_backoff` times), so poor drafts cost a request ever less.
 
+    With `probes_beside_runs` (greedy requests), a probe made while the target alone is
+    best is no round: its drafts are asked for beside the next run, and the run's tokens
+    say how many a round would have accepted (a greedy round accepts a draft iff it is the
+    target's choice). The run goes on at its speed; the drafter's time is off its path.
+
     Speculation must promise `min_gain` more than the target alone before it is chosen:
     the model does not see everything a draft costs (a drafter on the verifier's cores
     takes CPU from every session's pass; a late row holds the next pass back), and at a
@@ -188,8 +204,10 @@ class AdaptiveK:
     a predicted tie gave 78% of the target alone's throughput)."""
 
     def __init__(self, costs: RoundCosts, k_max: int, k_start: int, probe_every: int = 16,
-                 prior_weight: float = 4.0, seed: int | None = None, min_gain: float = 0.1):
+                 prior_weight: float = 4.0, seed: int | None = None, min_gain: float = 0.1,
+                 probes_beside_runs: bool = False):
         self.costs, self.k_max, self.k_start = costs, k_max, min(k_start, k_max)
+        self.probes_beside_runs, self.probe_k = probes_beside_runs, 0
         self.probe_every, self.prior_weight, self.min_gain = probe_every, prior_weight, min_gain
         self.accepted, self.tested, self.rounds = 0, 0, 0
         self.lookup_accepted, self.lookup_tested = 0, 0
@@ -251,7 +269,7 @@ class AdaptiveK:
         if matched and 0 in self.costs.tried:
             k = self._lookup_k(matched)
             if k == 0 and self.rounds % self.probe_period() == 0:
-                return 1  # keep this request's lookup acceptance current
+                return self._probe(1)  # keep this request's lookup acceptance current
             return k
         tried = self.costs.tried
         for k in (0, min(1, self.k_max)):
@@ -269,9 +287,22 @@ class AdaptiveK:
         if self.rounds % self.probe_period() == 0:
             if best == 0:  # each probe that finds the target alone still best waits longer for the next
                 self.backoff = min(self.max_backoff, 2 * self.backoff)
-            neighbour = best + self.rng.choice((-1, 1)) if best > 0 else 1
-            return min(self.k_max, neighbour)
+                return self._probe(min(self.k_max, 1))
+            return min(self.k_max, best + self.rng.choice((-1, 1)))
         return best
+
+    def _probe(self, k: int) -> int:
+        """A probe at K = k while the target alone is best: a round, or drafts beside the
+        next run (then this round is that run)."""
+        if not self.probes_beside_runs:
+            return k
+        self.probe_k = k
+        return 0
+
+    def beside_run(self) -> int:
+        """Drafts to ask for beside the run that starts now (0: none)."""
+        k, self.probe_k = self.probe_k, 0
+        return k
 
     def probe_period(self) -> int:
         # Probes cost every session of a pass (a late row holds the pass back); the costs are
@@ -290,6 +321,16 @@ class AdaptiveK:
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
                 batch_pass: BatchPass | None = None, lookup: bool = False) -> None:
+        tested = self._count(k, accepted, lookup)
+        self.costs.observe(k, draft_s, verify_s, accepted, tested, batch_pass, lookup)
+
+    def observe_beside(self, k: int, accepted: int, draft_s: float, lookup: bool = False) -> None:
+        """Drafts asked for beside a run, checked against its tokens: the acceptance a round
+        would have had, and the drafter's time; no verifier cost (there was no round)."""
+        tested = self._count(k, accepted, lookup)
+        self.costs.observe_drafts(k, draft_s, accepted, tested, lookup)
+
+    def _count(self, k: int, accepted: int, lookup: bool) -> int:
         tested = accepted + (1 if accepted < k else 0) if k > 0 else 0
         if lookup:
             self.lookup_accepted += accepted
@@ -297,4 +338,4 @@ class AdaptiveK:
         else:
             self.accepted += accepted
             self.tested += tested
-        self.costs.observe(k, draft_s, verify_s, accepted, tested, batch_pass, lookup)
+        return tested

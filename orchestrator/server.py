@@ -199,7 +199,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                                      "prompt_tokens": len(req.prompt)})
         try:
             policy = FixedK(req.k) if req.k is not None else AdaptiveK(
-                self.costs, self.limits.adaptive_max_k, self.limits.default_k)
+                self.costs, self.limits.adaptive_max_k, self.limits.default_k,
+                probes_beside_runs=sampling.is_greedy(req.params))
             rounds = speculate(req.prompt, req.max_new_tokens, policy, set(self.info.eos_token_ids), drafter,
                                verifier, stats, overlap=self.limits.overlap,
                                trace_context=trace.set_span_in_context(span))
@@ -217,9 +218,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             outcome, code = "ok", "OK"
             metrics.e2e.observe(time.monotonic() - started)
             log.info("[%s] done: %d tokens in %d rounds (by drafts: %s; %d drafted by lookup, %d runs of the target "
-                     "alone cut for one), acceptance %.2f, %d resyncs, %d drafter failovers", req.label, len(text.ids),
-                     stats.rounds, dict(sorted(stats.rounds_by_k.items())), stats.lookup_rounds, stats.runs_cut,
-                     _rate(stats), stats.resyncs, stats.drafter_failovers)
+                     "alone cut for one, %d probes beside runs), acceptance %.2f, %d resyncs, %d drafter failovers",
+                     req.label, len(text.ids), stats.rounds, dict(sorted(stats.rounds_by_k.items())),
+                     stats.lookup_rounds, stats.runs_cut, stats.probes_beside_runs, _rate(stats), stats.resyncs,
+                     stats.drafter_failovers)
             if req.k is None:
                 log.debug("[%s] costs: %s", req.label, self.costs.describe())
         except grpc.aio.AioRpcError as err:

@@ -68,6 +68,7 @@ class Stats:
     drafter_resyncs: int = 0  # of resyncs, those of the drafter session
     lookup_rounds: int = 0  # rounds the drafter drafted by prompt lookup
     runs_cut: int = 0  # runs of the target alone stopped early for a lookup round
+    probes_beside_runs: int = 0  # drafts checked against a run's tokens, not verified in a round
     # Called after each round with (K asked, drafts verified, accepted, drafter call seconds
     # or None, verifier call seconds): the deployment's metrics.
     on_round: Callable[[int, int, int, float | None, float], None] | None = None
@@ -306,6 +307,49 @@ class _Lookahead:
             pass
 
 
+class _BesideRun:
+    """A probe that costs a run of the target alone nothing: k drafts asked for as the run
+    starts, checked against the run's tokens once it ends. In a greedy request those are
+    the target's choices, and a round accepts a draft iff it is the target's choice: the
+    run tells how many of the drafts a round would have accepted."""
+
+    def __init__(self, drafter: DrafterLink, history: list[int], k: int):
+        self.start, self.lookup = len(history), drafter.lookup_match(history, k) > 0
+        self.task = asyncio.ensure_future(self._propose(drafter, list(history), k))
+
+    @staticmethod
+    async def _propose(drafter: DrafterLink, history: list[int], k: int) -> tuple[list[int], float]:
+        started = time.perf_counter()
+        drafts, _ = await drafter.propose(history, k)
+        return drafts, time.perf_counter() - started
+
+    async def settle(self, history: list[int], policy: FixedK | AdaptiveK, stats: Stats) -> None:
+        """After the run: the policy learns what the drafts would have got, if the drafter
+        answered before the run ended (a slower one is cancelled: nothing learned) and the
+        run decided them (it saw a draft miss, or went past them all)."""
+        if not self.task.done():
+            await self.cancel()
+            return
+        try:
+            drafts, took = self.task.result()
+        except grpc.aio.AioRpcError:
+            return  # the next round drafts again, on another replica if need be
+        run = history[self.start:]
+        accepted = 0
+        while accepted < min(len(drafts), len(run)) and drafts[accepted] == run[accepted]:
+            accepted += 1
+        if drafts and (accepted == len(drafts) or accepted < len(run)):
+            policy.observe_beside(len(drafts), accepted, took, self.lookup)
+            stats.probes_beside_runs += 1
+
+    async def cancel(self) -> None:
+        self.task.cancel()
+        try:
+            await self.task
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+
+
 async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], history: list[int],
                      verifier: VerifierLink, stats: Stats, trace_context) -> AsyncIterator[int]:
     """Up to `policy.run_length(budget)` tokens of the target alone, each yielded as it
@@ -371,17 +415,23 @@ async def speculate(
                 # The target alone: steps decoded in one verifier call, not a call per step;
                 # it stops early where a lookup match would pay for a round.
                 ahead = None
-                async with contextlib.aclosing(_plain_run(policy, max_new_tokens - produced, eos, history, verifier,
-                                                          stats, trace_context)) as run:
-                    async for token in run:
-                        history.append(token)
-                        produced += 1
-                        yield [token]
-                        if token in eos:
-                            return
-                        if policy.lookup_pays(drafter.lookup_match(history, k_max)):
-                            stats.runs_cut += 1
-                            break
+                probe_k = policy.beside_run()
+                beside = _BesideRun(drafter, history, probe_k) if probe_k else None
+                try:
+                    async with contextlib.aclosing(_plain_run(policy, max_new_tokens - produced, eos, history,
+                                                              verifier, stats, trace_context)) as run:
+                        async for token in run:
+                            history.append(token)
+                            produced += 1
+                            yield [token]
+                            if token in eos:
+                                return
+                            if policy.lookup_pays(drafter.lookup_match(history, k_max)):
+                                stats.runs_cut += 1
+                                break
+                finally:
+                    if beside is not None:
+                        await beside.settle(history, policy, stats)
                 continue
             lookup = matched > 0
             # The round's span is current only while this coroutine runs the round (never

@@ -227,3 +227,59 @@ def test_lookup_rounds_that_fail_fall_back_to_the_target_alone():
     assert at_matches[0] == 4  # the deployment's first lookup round tries k_start
     assert max(at_matches[1:]) <= 1 and len(at_matches) <= 10  # then probes only, of 100 matches
     assert not policy.lookup_pays(8)
+
+
+def greedy_request(costs: RoundCosts, alpha: float, rng: random.Random, tokens: int = 600):
+    """One greedy request on a CPU-like curve. -> (K chosen each round, and for each probe
+    beside a run the round it was asked for at)"""
+    step, call = 0.017, 0.005
+    policy = AdaptiveK(costs, k_max=4, k_start=4, seed=0, probes_beside_runs=True)
+    ks, besides, done = [], [], 0
+    while done < tokens:
+        k = policy.choose()
+        ks.append(k)
+        if k == 0:
+            probe_k, n = policy.beside_run(), policy.run_length(tokens - done)
+            policy.observe_run(n, n * step, [BatchPass(rows=1, tokens=1, seconds=step)] * n)
+            if probe_k:
+                besides.append(len(ks) - 1)
+                accepted = 0
+                while accepted < probe_k and accepted < n and rng.random() < alpha:
+                    accepted += 1
+                policy.observe_beside(probe_k, accepted, 0.1 * step * probe_k)
+            done += n
+            continue
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        pass_s = step * (1 + 0.1 * k)
+        policy.observe(k, accepted, 0.1 * step * k, pass_s + call, BatchPass(rows=1, tokens=k + 1, seconds=pass_s))
+        done += accepted + 1
+    return ks, besides
+
+
+def test_greedy_probes_go_beside_runs():
+    """A greedy request whose target alone is best probes without a round: choose() says
+    K = 0 and beside_run() asks for drafts to check against the run. Poor drafts then cost
+    no round after the deployment's first (which measures K = 1); a later request whose
+    drafts pass turns speculation on from what the runs told alone."""
+    costs, rng = RoundCosts(alpha_prior=0.2), random.Random(0)
+    ks, besides = greedy_request(costs, 0.2, rng)
+    assert ks[:2] == [0, 1] and max(ks[2:]) == 0 and len(besides) >= 2
+    ks, besides = greedy_request(costs, 0.95, rng)
+    first = next(i for i, k in enumerate(ks) if k > 0)
+    assert ks[0] == 0 and besides and besides[0] < first  # turned on by a probe beside a run
+    assert sorted(ks[-20:])[10] >= 3  # long rounds
+
+
+def test_probes_are_rounds_without_probes_beside_runs():
+    costs = RoundCosts(alpha_prior=0.0)
+    for greedy in (False, True):
+        policy = AdaptiveK(costs, k_max=4, k_start=4, probe_every=4, probes_beside_runs=greedy)
+        costs.tried |= {0, 1}
+        costs.plain = 0.017
+        costs.observe(1, 0.002, 0.025, 0, 1, BatchPass(rows=1, tokens=2, seconds=0.02))
+        chosen = [policy.choose() for _ in range(4)]
+        assert chosen[:3] == [0, 0, 0]
+        assert (chosen[3], policy.beside_run()) == ((0, 1) if greedy else (1, 0))
+        assert policy.beside_run() == 0  # asked for once

@@ -68,9 +68,11 @@ class FakeVerifier:
 class Cycle:
     """K per round from a fixed cycle, zeros included; K = 0 decodes runs of 1 to 3 steps."""
 
-    def __init__(self, ks):
+    def __init__(self, ks, beside=0, run=None):
         self.ks, self.round, self.k_max = ks, 0, max(ks)
         self.runs = []  # tokens of each run of the target alone
+        self.beside, self.run = beside, run  # drafts asked for beside each run; its fixed length
+        self.besides = []  # (k, accepted) of each probe beside a run
 
     def choose(self, matched=0):
         self.round += 1
@@ -83,10 +85,16 @@ class Cycle:
         pass
 
     def run_length(self, budget):
-        return min(budget, 1 + self.round % 3)
+        return min(budget, self.run or 1 + self.round % 3)
+
+    def beside_run(self):
+        return self.beside
 
     def observe_run(self, tokens, seconds, passes):
         self.runs.append(tokens)
+
+    def observe_beside(self, k, accepted, draft_s, lookup=False):
+        self.besides.append((k, accepted))
 
 
 def run(prompt, max_new, policy, overlap):
@@ -133,6 +141,50 @@ def test_a_used_lookahead_saves_the_drafter_call():
     # drafter itself, and each look-ahead is one more call.
     assert stats.rounds == plain_stats.rounds and stats.lookahead_hits > 0
     assert overlapped.calls == plain.calls - stats.lookahead_hits + stats.lookaheads
+
+
+def would_accept(history, k):
+    """How many of k drafts after `history` a round would accept."""
+    drafts, accepted = [], 0
+    for _ in range(k):
+        drafts.append(draft_next(history + drafts))
+    while accepted < k and drafts[accepted] == target_next(history + drafts[:accepted]):
+        accepted += 1
+    return accepted
+
+
+def test_probes_beside_runs_learn_what_rounds_would_have_accepted():
+    prompt = [3, 1, 4, 1, 5]
+    policy = Cycle([0], beside=2, run=4)
+    out, stats, drafter = run(prompt, 60, policy, overlap=False)
+    assert out == reference(prompt, 60)
+    assert stats.rounds_by_k == {0: 60} and stats.draft_tokens == 0  # no round verified a draft
+    # Each run's probe drafted after the history the run started from.
+    starts = [len(prompt) + 4 * i for i in range(15)]
+    history = prompt + out
+    assert policy.besides == [(2, would_accept(history[:n], 2)) for n in starts]
+    assert stats.probes_beside_runs == 15 == drafter.calls
+    assert {0, 1} <= {a for _, a in policy.besides}  # drafts missed, and drafts a round would have kept
+
+
+class SlowDrafter(FakeDrafter):
+    async def propose(self, history, k, committed=None):
+        self.calls += 1
+        await asyncio.sleep(3600)
+
+
+def test_a_probe_the_drafter_answers_after_its_run_is_dropped():
+    prompt = [2, 7, 1, 8]
+    policy, drafter, stats = Cycle([0], beside=2, run=4), SlowDrafter(), Stats()
+
+    async def go():
+        out = []
+        async for new in speculate(prompt, 20, policy, set(), drafter, FakeVerifier(drafter), stats):
+            out.extend(new)
+        return out
+
+    assert asyncio.run(go()) == reference(prompt, 20)
+    assert drafter.calls == 5 and policy.besides == [] and stats.probes_beside_runs == 0
 
 
 class LookupDrafter(FakeDrafter):
