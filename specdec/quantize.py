@@ -16,6 +16,12 @@ token exactly what a one-token step gives it. Dynamic quantization with one scal
 input tensor (`torch.ao.quantization.quantize_dynamic`) was faster still per call but
 couples the rows of a pass: a token's logits would change with the batch.
 
+Linear layers that read the same input (a Llama-style layer's q, k and v projections; its
+gate and up projections) are quantized as one: their input is quantized and multiplied
+once, and each takes its own columns of the product, which are the same numbers the
+layers give apart (per-column integer sums and scales). On the default target that cuts
+a one-token step's 211 products to 121 and its time by about a tenth.
+
 Rounding activations to int8 also magnifies any float difference: a last-bit change in
 an attention output can move a value across a rounding step, and greedy outputs part
 within a few dozen tokens (measured on the default pair). Float32 attention is not
@@ -126,6 +132,67 @@ class Int8Linear(torch.nn.Module):
         return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+class _Shared(torch.nn.Module):
+    """Linear layers that read the same input, as one Int8Linear over their stacked rows."""
+
+    def __init__(self, linears: list[torch.nn.Module]):
+        super().__init__()
+        stacked = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                                  bias=linears[0].bias is not None, dtype=linears[0].weight.dtype)
+        with torch.no_grad():
+            stacked.weight.copy_(torch.cat([m.weight for m in linears]))
+            if stacked.bias is not None:
+                stacked.bias.copy_(torch.cat([m.bias for m in linears]))
+        self.linear = Int8Linear(stacked)
+        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+        self.columns = list(zip([0] + ends[:-1], ends))
+        self.input, self.output, self.waiting = None, None, set()
+
+    def part(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        # The product is made for the first part to see an input, and kept only until each
+        # part has taken its columns: the parts of a layer are called one after the other
+        # with the same tensor (held here, so no other tensor can take its identity).
+        if x is not self.input or i not in self.waiting:
+            self.input, self.output = x, self.linear(x)
+            self.waiting = set(range(len(self.columns)))
+        output = self.output
+        self.waiting.discard(i)
+        if not self.waiting:
+            self.input = self.output = None
+        start, end = self.columns[i]
+        return output[..., start:end]
+
+
+class _Part(torch.nn.Module):
+    """One of the layers of a _Shared: its columns of the shared product."""
+
+    def __init__(self, shared: _Shared, i: int):
+        super().__init__()
+        object.__setattr__(self, "shared", shared)  # a module of the parent's, not of each part
+        self.i = i
+        self.out_features = shared.columns[i][1] - shared.columns[i][0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.part(self.i, x)
+
+
+# Sibling layers that read the same input, by their names in Llama-style models.
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _share_inputs(parent: torch.nn.Module) -> None:
+    for names in SHARED_INPUT:
+        linears = [getattr(parent, name, None) for name in names]
+        if not all(isinstance(m, torch.nn.Linear) for m in linears):
+            continue
+        if len({m.in_features for m in linears}) > 1 or len({m.bias is None for m in linears}) > 1:
+            continue
+        shared = _Shared(linears)
+        parent.add_module("shared_" + "_".join(n.split("_")[0] for n in names), shared)
+        for i, name in enumerate(names):
+            setattr(parent, name, _Part(shared, i))
+
+
 def quantize(model, method: str):
     """Quantizes `model` in place (method "none" leaves it); returns it. Call it after any
     change to the output head (the drafter's cut to its vocabulary): the head is
@@ -141,6 +208,7 @@ def quantize(model, method: str):
                          "(use --dtype bfloat16 there)")
     head = model.get_output_embeddings()
     for parent in list(model.modules()):
+        _share_inputs(parent)
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) or child is head:
                 setattr(parent, name, Int8Linear(child))

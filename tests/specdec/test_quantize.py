@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec import quantize as quantize_module
 from specdec.quantize import Int8Linear, kernel, quantize
 
 TESTS = Path(__file__).parent.parent
@@ -62,6 +63,32 @@ def test_every_linear_layer_and_the_head_are_quantized():
     assert out.shape == (1, 7)
     with pytest.raises(ValueError, match="quantize must be one of"):
         quantize(model, "int4")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_layers_that_share_an_input_give_what_they_give_apart(bias, monkeypatch):
+    """q, k and v (and gate and up) quantized as one product: the logits are bit for bit
+    those of each layer quantized alone, over a prefill and steps with a cache."""
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=bias, mlp_bias=bias)
+    torch.manual_seed(0)
+    fused = LlamaForCausalLM(config).eval()
+    apart = LlamaForCausalLM(config).eval()
+    apart.load_state_dict(fused.state_dict())
+    quantize(fused, "int8")
+    monkeypatch.setattr(quantize_module, "SHARED_INPUT", ())
+    quantize(apart, "int8")
+    attention = fused.model.layers[0].self_attn
+    assert isinstance(attention.shared_q_k_v, quantize_module._Shared)
+    assert isinstance(fused.model.layers[1].mlp.shared_gate_up, quantize_module._Shared)
+    assert isinstance(apart.model.layers[0].self_attn.k_proj, Int8Linear)
+    with torch.no_grad():
+        ids = torch.tensor([[5, 17, 3, 99, 42, 8, 8, 1]])
+        want = apart.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        got = fused.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    assert attention.shared_q_k_v.input is None  # nothing held between passes
 
 
 @pytest.mark.parametrize("suite", ["specdec/test_engine.py", "e2e/test_exact.py", "e2e/test_concurrent.py"])
