@@ -418,18 +418,17 @@ class Engine:
     def _run(self, batch: list[Row]) -> torch.Tensor:
         """One forward over every row's next tokens; -> logits of the wanted positions."""
         device = self.device
-        ids, positions, writes, keep, offsets = [], [], [], [], []
+        ids, positions, keep, placed = [], [], [], []
         for row in batch:
             seq, start, end = row.work.seq, row.start, row.start + row.n
-            offsets.append(len(ids))
+            placed.append((row, len(ids), seq.slots(end, device)))  # the slots it reads, its own last
             keep += range(len(ids) + row.n - row.wanted, len(ids) + row.n)
             ids += seq.tokens[start:end]
             positions += range(start, end)
-            writes.append(seq.slots(end, device)[start:])
-        placed = list(zip(batch, offsets))
+        writes = [slots[row.start:] for row, _, slots in placed]
         short = [p for p in placed if p[0].n <= self.short]
         groups = [self._group(g) for g in ([short] if short else []) + [[p] for p in placed if p[0].n > self.short]]
-        plan = Plan(self.pool, torch.cat(writes), groups, self.attention_dtype)
+        plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), groups, self.attention_dtype)
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([ids], device=device),
                              position_ids=torch.tensor([positions], device=device),
@@ -440,16 +439,21 @@ class Engine:
             torch.cuda.synchronize(device)
         return logits
 
-    def _group(self, placed: list[tuple[Row, int]]) -> Group:
-        """The attention layout of rows (each with its offset in the packed tokens)."""
+    def _group(self, placed: list[tuple[Row, int, torch.Tensor]]) -> Group:
+        """The attention layout of rows (each with its offset in the packed tokens and the
+        slots it reads)."""
         device = self.device
-        width = max(row.n for row, _ in placed)
-        length = max(row.start + row.n for row, _ in placed)
-        read_slots = torch.zeros(len(placed), length, dtype=torch.long, device=device)
+        width = max(row.n for row, _, _ in placed)
+        length = max(row.start + row.n for row, _, _ in placed)
+        if len(placed) == 1:
+            read_slots = placed[0][2][None]
+        else:
+            read_slots = torch.zeros(len(placed), length, dtype=torch.long, device=device)
         q_index, q_pos, packed, flat = [], [], [], []
-        for b, (row, offset) in enumerate(placed):
+        for b, (row, offset, slots) in enumerate(placed):
             end = row.start + row.n
-            read_slots[b, :end] = row.work.seq.slots(end, device)
+            if len(placed) > 1:
+                read_slots[b, :end] = slots
             pad = width - row.n
             q_index.append(list(range(offset, offset + row.n)) + [0] * pad)
             q_pos.append(list(range(row.start, end)) + [0] * pad)  # padding attends slot 0 only
@@ -500,7 +504,7 @@ class Engine:
                 if work.cancelled:
                     self._finish(work)
                 elif work.remaining == 0:
-                    self._done(work, torch.cat(work.parts), done)
+                    self._done(work, work.parts[0] if len(work.parts) == 1 else torch.cat(work.parts), done)
             kept += row.wanted
         self.cond.notify()
 
