@@ -156,6 +156,9 @@ class _LocalDrafter:
     def lookup_match(self, history, k):
         return 0  # a model proposer: it never drafts by lookup
 
+    def lookup_drafts(self, history, k):
+        return []
+
     async def propose(self, history, k, committed=None):
         self.seq.sync(0, history)
         drafted = [draft async for draft in self.proposer.propose(self.seq, k, self.params)]

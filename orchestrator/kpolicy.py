@@ -166,6 +166,8 @@ class FixedK:
     def lookup_pays(self, matched: int) -> bool:
         return False
 
+    probes_beside_runs = False
+
     def run_length(self, budget: int) -> int:
         """Steps of the target alone in one call, when a round drafts nothing."""
         return min(budget, RUN_MAX if self.k == 0 else 1)
@@ -176,7 +178,7 @@ class FixedK:
     def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass]) -> None:
         pass
 
-    def observe_beside(self, k: int, accepted: int, draft_s: float, lookup: bool = False) -> None:
+    def observe_beside(self, k: int, accepted: int, draft_s: float | None, lookup: bool = False) -> None:
         pass
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
@@ -196,6 +198,8 @@ class AdaptiveK:
     best is no round: its drafts are asked for beside the next run, and the run's tokens
     say how many a round would have accepted (a greedy round accepts a draft iff it is the
     target's choice). The run goes on at its speed; the drafter's time is off its path.
+    Their runs also check, token by token, the next token of any lookup match against the
+    target's, so their lookup acceptance is their own before a lookup round is tried.
 
     Speculation must promise `min_gain` more than the target alone before it is chosen:
     the model does not see everything a draft costs (a drafter on the verifier's cores
@@ -244,11 +248,14 @@ class AdaptiveK:
         return expected_tokens(self.lookup_alpha, k) / max(draft + verify, 1e-6)
 
     def _lookup_k(self, matched: int) -> int:
-        """The best K for a round the drafter drafts by lookup (0: the target alone). A
-        request's first match is tried whatever the deployment's lookup acceptance: how
+        """The best K for a round the drafter drafts by lookup (0: the target alone). How
         much an output copies its context is the request's own (a chat answer rarely does,
-        an edit of a text mostly does)."""
-        if not self.costs.lookup_tried or self.lookup_tested == 0:
+        an edit of a text mostly does): a greedy request first learns it from its runs'
+        checks, another tries its first match whatever the deployment's lookup acceptance."""
+        if self.probes_beside_runs:
+            if self.lookup_tested == 0:
+                return 0  # its runs check its matches first, at no cost
+        elif not self.costs.lookup_tried or self.lookup_tested == 0:
             return min(matched, self.k_max, self.k_start)
         speeds = {k: self.lookup_speed(k) for k in range(1, min(matched, self.k_max) + 1)}
         known = {k: v for k, v in speeds.items() if v is not None}
@@ -268,8 +275,8 @@ class AdaptiveK:
         self.rounds += 1
         if matched and 0 in self.costs.tried:
             k = self._lookup_k(matched)
-            if k == 0 and self.rounds % self.probe_period() == 0:
-                return self._probe(1)  # keep this request's lookup acceptance current
+            if k == 0 and not self.probes_beside_runs and self.rounds % self.probe_period() == 0:
+                return 1  # keep this request's lookup acceptance current (greedy runs check it)
             return k
         tried = self.costs.tried
         for k in (0, min(1, self.k_max)):
@@ -324,7 +331,7 @@ class AdaptiveK:
         tested = self._count(k, accepted, lookup)
         self.costs.observe(k, draft_s, verify_s, accepted, tested, batch_pass, lookup)
 
-    def observe_beside(self, k: int, accepted: int, draft_s: float, lookup: bool = False) -> None:
+    def observe_beside(self, k: int, accepted: int, draft_s: float | None, lookup: bool = False) -> None:
         """Drafts asked for beside a run, checked against its tokens: the acceptance a round
         would have had, and the drafter's time; no verifier cost (there was no round)."""
         tested = self._count(k, accepted, lookup)

@@ -218,9 +218,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             outcome, code = "ok", "OK"
             metrics.e2e.observe(time.monotonic() - started)
             log.info("[%s] done: %d tokens in %d rounds (by drafts: %s; %d drafted by lookup, %d runs of the target "
-                     "alone cut for one, %d probes beside runs), acceptance %.2f, %d resyncs, %d drafter failovers",
-                     req.label, len(text.ids), stats.rounds, dict(sorted(stats.rounds_by_k.items())),
-                     stats.lookup_rounds, stats.runs_cut, stats.probes_beside_runs, _rate(stats), stats.resyncs,
+                     "alone cut for one, %d probes beside runs, %d lookup tokens checked), acceptance %.2f, "
+                     "%d resyncs, %d drafter failovers", req.label, len(text.ids), stats.rounds,
+                     dict(sorted(stats.rounds_by_k.items())), stats.lookup_rounds, stats.runs_cut,
+                     stats.probes_beside_runs, stats.lookups_checked, _rate(stats), stats.resyncs,
                      stats.drafter_failovers)
             if req.k is None:
                 log.debug("[%s] costs: %s", req.label, self.costs.describe())

@@ -69,6 +69,7 @@ class Stats:
     lookup_rounds: int = 0  # rounds the drafter drafted by prompt lookup
     runs_cut: int = 0  # runs of the target alone stopped early for a lookup round
     probes_beside_runs: int = 0  # drafts checked against a run's tokens, not verified in a round
+    lookups_checked: int = 0  # tokens of runs checked against the lookup's next token
     # Called after each round with (K asked, drafts verified, accepted, drafter call seconds
     # or None, verifier call seconds): the deployment's metrics.
     on_round: Callable[[int, int, int, float | None, float], None] | None = None
@@ -193,13 +194,17 @@ class DrafterLink:
         """How many drafts the drafter would take by prompt lookup after `history` (up to
         k; its rule on the committed history, which only grows), 0 if it would draft with
         its model."""
+        return len(self.lookup_drafts(history, k))
+
+    def lookup_drafts(self, history: list[int], k: int) -> list[int]:
+        """The drafts themselves ([] if it would draft with its model)."""
         rule = self.pool.lookup_rule
         if rule is None or self.refused:
-            return 0
+            return []
         if self.lookup is None or (self.lookup.min_n, self.lookup.max_n) != rule:
             self.lookup = LookupIndex(rule[1], rule[0])
         self.lookup.update(history)
-        return len(self.lookup.match(k))
+        return self.lookup.match(k)
 
     async def propose(self, history: list[int], k: int, committed: int | None = None
                       ) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
@@ -417,18 +422,28 @@ async def speculate(
                 ahead = None
                 probe_k = policy.beside_run()
                 beside = _BesideRun(drafter, history, probe_k) if probe_k else None
+                # In a greedy request each token of the run also checks the lookup's next
+                # token where the history holds a match: what a lookup round's first draft
+                # there would have got, known without the round.
+                check = policy.probes_beside_runs
+                expected = drafter.lookup_drafts(history, 1) if check else []
                 try:
                     async with contextlib.aclosing(_plain_run(policy, max_new_tokens - produced, eos, history,
                                                               verifier, stats, trace_context)) as run:
                         async for token in run:
+                            if expected:
+                                policy.observe_beside(1, int(token == expected[0]), None, lookup=True)
+                                stats.lookups_checked += 1
                             history.append(token)
                             produced += 1
                             yield [token]
                             if token in eos:
                                 return
-                            if policy.lookup_pays(drafter.lookup_match(history, k_max)):
+                            drafts = drafter.lookup_drafts(history, k_max)
+                            if policy.lookup_pays(len(drafts)):
                                 stats.runs_cut += 1
                                 break
+                            expected = drafts[:1] if check else []
                 finally:
                     if beside is not None:
                         await beside.settle(history, policy, stats)

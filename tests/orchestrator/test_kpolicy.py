@@ -283,3 +283,24 @@ def test_probes_are_rounds_without_probes_beside_runs():
         assert chosen[:3] == [0, 0, 0]
         assert (chosen[3], policy.beside_run()) == ((0, 1) if greedy else (1, 0))
         assert policy.beside_run() == 0  # asked for once
+
+
+def test_greedy_requests_learn_their_lookup_acceptance_from_their_runs():
+    """A greedy request tries no lookup round before its runs have checked its matches
+    (each token against the lookup's next one); checks that pass turn lookup rounds on,
+    checks that fail keep them off, whatever the deployment saw before."""
+    costs, step = RoundCosts(), 0.017
+    costs.observe_run(16, 16 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 16)
+    costs.observe(1, 0.002, 0.021, 0, 1, BatchPass(rows=1, tokens=2, seconds=0.019))
+    copying = AdaptiveK(costs, k_max=8, k_start=4, probes_beside_runs=True)
+    assert copying.choose(8) == 0 and not copying.lookup_pays(8)  # no evidence of its own yet
+    for _ in range(3):
+        copying.observe_beside(1, 1, None, lookup=True)
+    assert copying.lookup_pays(8) and copying.choose(8) >= 4
+    fresh = AdaptiveK(costs, k_max=8, k_start=4, probes_beside_runs=True)
+    assert not fresh.lookup_pays(8)
+    for _ in range(4):
+        fresh.observe_beside(1, 0, None, lookup=True)
+    assert not fresh.lookup_pays(8) and fresh.choose(8) == 0
+    # A request that is not greedy still tries its first match.
+    assert AdaptiveK(costs, k_max=8, k_start=4).choose(8) == 4

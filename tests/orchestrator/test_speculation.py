@@ -29,7 +29,10 @@ class FakeDrafter:
         self.calls = 0
 
     def lookup_match(self, history, k):
-        return 0
+        return len(self.lookup_drafts(history, k))
+
+    def lookup_drafts(self, history, k):
+        return []
 
     async def propose(self, history, k, committed=None):
         self.calls += 1
@@ -68,6 +71,8 @@ class FakeVerifier:
 class Cycle:
     """K per round from a fixed cycle, zeros included; K = 0 decodes runs of 1 to 3 steps."""
 
+    probes_beside_runs = False
+
     def __init__(self, ks, beside=0, run=None):
         self.ks, self.round, self.k_max = ks, 0, max(ks)
         self.runs = []  # tokens of each run of the target alone
@@ -94,7 +99,7 @@ class Cycle:
         self.runs.append(tokens)
 
     def observe_beside(self, k, accepted, draft_s, lookup=False):
-        self.besides.append((k, accepted))
+        self.besides.append((k, accepted, lookup) if lookup else (k, accepted))
 
 
 def run(prompt, max_new, policy, overlap):
@@ -187,11 +192,41 @@ def test_a_probe_the_drafter_answers_after_its_run_is_dropped():
     assert drafter.calls == 5 and policy.besides == [] and stats.probes_beside_runs == 0
 
 
+class CheckingDrafter(FakeDrafter):
+    """Offers a lookup match after every 3rd token of history: right after a history of
+    even length, one token off after an odd one."""
+
+    def lookup_drafts(self, history, k):
+        if len(history) % 3:
+            return []
+        token = target_next(history)
+        return [token if len(history) % 2 == 0 else (token + 1) % VOCAB] * k
+
+
+def test_greedy_runs_check_the_lookup_next_token():
+    prompt = [3, 1, 4, 1, 5, 9]
+    policy, drafter, stats = Cycle([0], run=8), CheckingDrafter(), Stats()
+    policy.probes_beside_runs, policy.k_max = True, 4
+
+    async def go():
+        out = []
+        async for new in speculate(prompt, 40, policy, set(), drafter, FakeVerifier(drafter), stats):
+            out.extend(new)
+        return out
+
+    assert asyncio.run(go()) == reference(prompt, 40)
+    # One check per token produced after a history holding a match, the last one excepted
+    # (nothing comes after it), each a hit exactly where the match was right.
+    lengths = [n for n in range(len(prompt), len(prompt) + 40) if n % 3 == 0]
+    assert policy.besides == [(1, int(n % 2 == 0), True) for n in lengths]
+    assert stats.lookups_checked == len(lengths) and drafter.calls == 0
+
+
 class LookupDrafter(FakeDrafter):
     """Says it would draft by lookup after every 5th token of history."""
 
-    def lookup_match(self, history, k):
-        return min(k, 3) if len(history) % 5 == 0 else 0
+    def lookup_drafts(self, history, k):
+        return [0] * min(k, 3) if len(history) % 5 == 0 else []
 
 
 class LookupPolicy(Cycle):
