@@ -4,6 +4,7 @@ sessions drafting at the same time share forward passes."""
 
 import argparse
 import asyncio
+import contextlib
 import logging
 
 from specdec import flags, logs, modeling, sampling, server, tracing
@@ -49,8 +50,10 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
                 async with self.model_work(session) as seq:  # a cancelled call's last step ends before the next
                     seq.sync(request.start, list(request.new_tokens))
                     k = min(k, self.info.max_positions - len(seq.tokens))
-                    async for token, q in self.proposer.propose(seq, k, request.sampling):
-                        yield drafter_pb2.ProposeResponse(token_id=token, q=q)
+                    # Closed before the session is let go, wherever the stream stops.
+                    async with contextlib.aclosing(self.proposer.propose(seq, k, request.sampling)) as drafts:
+                        async for token, q in drafts:
+                            yield drafter_pb2.ProposeResponse(token_id=token, q=q)
         except ServiceError as err:
             await abort(context, err)
 

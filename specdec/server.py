@@ -142,8 +142,9 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
             async def guarded_stream(request, context):
                 if isinstance(request, _Malformed):
                     await refuse(request, context)
-                async for response in behavior(request, context):
-                    yield response
+                async with contextlib.aclosing(behavior(request, context)) as responses:  # closed with this one
+                    async for response in responses:
+                        yield response
 
             return grpc.unary_stream_rpc_method_handler(guarded_stream, deserialize, handler.response_serializer)
         behavior = handler.unary_unary

@@ -45,7 +45,16 @@ def incoming(context) -> otel_context.Context:
 
 @contextlib.contextmanager
 def server_span(name: str, context, **attributes):
-    """A span for a handler, the child of the caller's span."""
-    with tracer.start_as_current_span(name, context=incoming(context), kind=trace.SpanKind.SERVER,
-                                      attributes=attributes) as span:
+    """A span for a handler, the child of the caller's span. It is not made the current
+    span: a streaming handler yields inside it, and one its caller cancels may be closed
+    from another context, where undoing "current" fails (the handlers call nothing
+    downstream that would need it)."""
+    span = tracer.start_span(name, context=incoming(context), kind=trace.SpanKind.SERVER, attributes=attributes)
+    try:
         yield span
+    except Exception as err:
+        span.record_exception(err)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(err).__name__}: {err}"))
+        raise
+    finally:
+        span.end()

@@ -6,6 +6,7 @@ tokens. The target keeps the longest accepted prefix and adds one token: the
 *correction* at the first rejected position, or the *bonus* when all were accepted.
 """
 
+import contextlib
 from typing import AsyncIterator
 
 import torch
@@ -51,8 +52,9 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
         token = own_token(logits, params, len(seq.tokens))
         return token, token not in stop and len(seq.tokens) + 1 < end
 
-    async for token, done in seq.decode(pick):
-        yield token, done
+    async with contextlib.aclosing(seq.decode(pick)) as steps:  # closed with this generator
+        async for token, done in steps:
+            yield token, done
 
 
 def own_token(logits: torch.Tensor, params: common_pb2.SamplingParams, position: int) -> int:

@@ -4,6 +4,7 @@ drafts, batched with the rounds of the other sessions that are ready at the same
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 
@@ -93,9 +94,13 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             with tracing.server_span("verifier.Decode", context, session_id=request.session_id,
                                      new_tokens=len(request.new_tokens), max_tokens=request.max_tokens):
                 async with self.model_work(session) as seq:
-                    async for token, done in decode(seq, request, self.info.max_positions):
-                        yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=verifier_pb2.BatchPass(
-                            rows=done.rows, tokens=done.tokens, seconds=done.seconds))
+                    # Closed before the session is let go, wherever the stream stops (a caller
+                    # that cancels leaves this generator at its yield): the decoding must end
+                    # before another call may touch the session.
+                    async with contextlib.aclosing(decode(seq, request, self.info.max_positions)) as steps:
+                        async for token, done in steps:
+                            yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=verifier_pb2.BatchPass(
+                                rows=done.rows, tokens=done.tokens, seconds=done.seconds))
         except ServiceError as err:
             await abort(context, err)
 

@@ -62,3 +62,27 @@ def test_a_decode_read_in_part_leaves_a_session_to_go_on_from(tiny_cluster):
     assert rest == want[4:]
     stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id="part"), timeout=10)
     assert "part" not in tiny_cluster.sessions(tiny_cluster.roles["verifier"])
+
+
+def test_a_cancelled_decode_is_over_before_the_next_call_on_its_session(tiny_cluster):
+    """A caller that cancels a Decode and at once sends the next call on the session (an
+    orchestrator cutting a run for a lookup round) finds the session as it left it: the
+    stream's decoding ended before the call could hold the session. Repeated, as the
+    cancel lands at different points of the stream."""
+    params = PARAMS[0]
+    stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])
+    want = stepwise(stub, "steps-cut", PROMPT, 12, params)
+    for attempt in range(30):
+        session = f"cut-{attempt}"
+        read = 2 + attempt % 5
+        call = stub.Decode(verifier_pb2.DecodeRequest(session_id=session, start=0, new_tokens=PROMPT,
+                                                      sampling=params, max_tokens=200), timeout=60)
+        got = [next(call).token_id for _ in range(read)]
+        call.cancel()
+        start = len(PROMPT) + read
+        response = stub.Verify(verifier_pb2.VerifyRequest(session_id=session, start=start,
+                                                          draft_tokens=want[read:read + 3], sampling=params),
+                               timeout=30)
+        assert got == want[:read]
+        assert (response.num_accepted, response.next_token) == (3, want[read + 3]), attempt
+        stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=session), timeout=10)

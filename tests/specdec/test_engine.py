@@ -389,3 +389,28 @@ def test_a_failing_pick_ends_its_decode_not_the_engine(models):
     assert len(asyncio.run(go())) == 2
     seq.sync(12, [])
     close(eng.forward_now(seq, 1)[0], fresh(models, seq.tokens, 1))
+
+
+def test_a_decode_closed_at_its_yield_stops_before_its_closer_returns(models):
+    """A server stream whose caller cancels is closed where it waits, at a yield: the
+    verifier's decode generators must close the engine's decoding with them, so that
+    nothing appends to the session once the next call may hold it."""
+    from specdec.verifier.v1 import verifier_pb2
+    from verifier_service.acceptance import decode
+
+    eng = engine(models)
+    seq = eng.new_sequence()
+    prompt = tokens(20, 5)
+    request = verifier_pb2.DecodeRequest(start=0, new_tokens=prompt, max_tokens=200)
+
+    async def go():
+        stream = decode(seq, request, 4096)
+        got = [(await anext(stream))[0] for _ in range(3)]
+        await stream.aclose()  # GeneratorExit at its yield, as a cancelled call's stream gets
+        assert not eng.queue
+        held = len(seq.tokens)
+        await asyncio.sleep(0.2)  # passes would have run by now
+        assert len(seq.tokens) == held <= 20 + 4
+        return got
+
+    assert asyncio.run(go()) == greedy_reference(models, prompt, 3)
