@@ -152,14 +152,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     # -- generation ----------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        async for event in self.generate(request, context):
-            yield event
+        # Closed here, in this call, wherever it stops: a cancelled stream stops at its yield,
+        # and the request's sessions are released now, not when the generator is collected.
+        async with contextlib.aclosing(self.generate(request, context)) as events:
+            async for event in events:
+                yield event
 
     async def Complete(self, request: pb.GenerateRequest, context):
         result = None
-        async for event in self.generate(request, context):  # to the end: it releases the sessions
-            if event.HasField("result"):
-                result = event.result
+        async with contextlib.aclosing(self.generate(request, context)) as events:
+            async for event in events:
+                if event.HasField("result"):
+                    result = event.result
         return result
 
     async def generate(self, request: pb.GenerateRequest, context):
