@@ -281,6 +281,15 @@ class DrafterLink:
                 self.pool.release(replica)
 
 
+async def _cancel(task: asyncio.Future) -> None:
+    """Cancels a drafter call made beside the round and waits until it has ended."""
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        pass
+
+
 class _Lookahead:
     """The next round's drafts, drafted while this round is verified. They assume the
     verifier accepts all of this round's drafts and that its own token is the one the
@@ -305,11 +314,7 @@ class _Lookahead:
         return drafts[1:], qs[1:]
 
     async def cancel(self) -> None:
-        self.task.cancel()
-        try:
-            await self.task
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
-            pass
+        await _cancel(self.task)
 
 
 class _BesideRun:
@@ -333,7 +338,7 @@ class _BesideRun:
         answered before the run ended (a slower one is cancelled: nothing learned) and the
         run decided them (it saw a draft miss, or went past them all)."""
         if not self.task.done():
-            await self.cancel()
+            await _cancel(self.task)
             return
         try:
             drafts, took = self.task.result()
@@ -346,13 +351,6 @@ class _BesideRun:
         if drafts and (accepted == len(drafts) or accepted < len(run)):
             policy.observe_beside(len(drafts), accepted, took, self.lookup)
             stats.probes_beside_runs += 1
-
-    async def cancel(self) -> None:
-        self.task.cancel()
-        try:
-            await self.task
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
-            pass
 
 
 async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], history: list[int],
