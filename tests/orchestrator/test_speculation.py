@@ -102,8 +102,8 @@ class Cycle:
         self.besides.append((k, accepted, lookup) if lookup else (k, accepted))
 
 
-def run(prompt, max_new, policy, overlap):
-    drafter = FakeDrafter()
+def run(prompt, max_new, policy, overlap=False, drafter=None):
+    drafter = drafter or FakeDrafter()
     stats = Stats()
 
     async def go():
@@ -180,15 +180,9 @@ class SlowDrafter(FakeDrafter):
 
 def test_a_probe_the_drafter_answers_after_its_run_is_dropped():
     prompt = [2, 7, 1, 8]
-    policy, drafter, stats = Cycle([0], beside=2, run=4), SlowDrafter(), Stats()
-
-    async def go():
-        out = []
-        async for new in speculate(prompt, 20, policy, set(), drafter, FakeVerifier(drafter), stats):
-            out.extend(new)
-        return out
-
-    assert asyncio.run(go()) == reference(prompt, 20)
+    policy = Cycle([0], beside=2, run=4)
+    out, stats, drafter = run(prompt, 20, policy, drafter=SlowDrafter())
+    assert out == reference(prompt, 20)
     assert drafter.calls == 5 and policy.besides == [] and stats.probes_beside_runs == 0
 
 
@@ -205,16 +199,10 @@ class CheckingDrafter(FakeDrafter):
 
 def test_greedy_runs_check_the_lookup_next_token():
     prompt = [3, 1, 4, 1, 5, 9]
-    policy, drafter, stats = Cycle([0], run=8), CheckingDrafter(), Stats()
+    policy = Cycle([0], run=8)
     policy.probes_beside_runs, policy.k_max = True, 4
-
-    async def go():
-        out = []
-        async for new in speculate(prompt, 40, policy, set(), drafter, FakeVerifier(drafter), stats):
-            out.extend(new)
-        return out
-
-    assert asyncio.run(go()) == reference(prompt, 40)
+    out, stats, drafter = run(prompt, 40, policy, drafter=CheckingDrafter())
+    assert out == reference(prompt, 40)
     # One check per token produced after a history holding a match, the last one excepted
     # (nothing comes after it), each a hit exactly where the match was right.
     lengths = [n for n in range(len(prompt), len(prompt) + 40) if n % 3 == 0]
@@ -252,14 +240,8 @@ class LookupPolicy(Cycle):
 
 def test_a_run_stops_where_a_lookup_round_pays_and_the_output_is_the_targets():
     prompt = [3, 1, 4, 1, 5, 9, 2]
-    policy, drafter, stats = LookupPolicy(), LookupDrafter(), Stats()
-
-    async def go():
-        out = []
-        async for new in speculate(prompt, 60, policy, set(), drafter, FakeVerifier(drafter), stats):
-            out.extend(new)
-        return out
-
-    assert asyncio.run(go()) == reference(prompt, 60)
+    policy = LookupPolicy()
+    out, stats, _ = run(prompt, 60, policy, drafter=LookupDrafter())
+    assert out == reference(prompt, 60)
     assert stats.runs_cut > 0 and stats.lookup_rounds == sum(policy.lookups) > 0
     assert max(policy.runs) <= 5  # cut at the next match, well before its 8 steps
