@@ -153,11 +153,8 @@ class _LocalDrafter:
     def __init__(self, proposer, params):
         self.proposer, self.params, self.seq = proposer, params, proposer.new_sequence()
 
-    def lookup_match(self, history, k):
-        return 0  # a model proposer: it never drafts by lookup
-
     def lookup_drafts(self, history, k):
-        return []
+        return []  # a model proposer: it never drafts by lookup
 
     async def propose(self, history, k, committed=None):
         self.seq.sync(0, history)

@@ -159,14 +159,13 @@ class FixedK:
 
     def __init__(self, k: int):
         self.k = self.k_max = k
+        self.probes_beside_runs = False  # the K asked for is all it runs: no probes
 
     def choose(self, matched: int = 0) -> int:
         return self.k
 
     def lookup_pays(self, matched: int) -> bool:
         return False
-
-    probes_beside_runs = False
 
     def run_length(self, budget: int) -> int:
         """Steps of the target alone in one call, when a round drafts nothing."""

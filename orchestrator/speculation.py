@@ -190,14 +190,10 @@ class DrafterLink:
         self.refused = False  # a replica refused this request: it goes on without drafts
         self.lookup: LookupIndex | None = None  # the drafters' lookup rule over this request's history
 
-    def lookup_match(self, history: list[int], k: int) -> int:
-        """How many drafts the drafter would take by prompt lookup after `history` (up to
-        k; its rule on the committed history, which only grows), 0 if it would draft with
-        its model."""
-        return len(self.lookup_drafts(history, k))
-
     def lookup_drafts(self, history: list[int], k: int) -> list[int]:
-        """The drafts themselves ([] if it would draft with its model)."""
+        """The drafts the drafter would take by prompt lookup after `history` (up to k; its
+        rule on the committed history, which only grows), [] if it would draft with its
+        model."""
         rule = self.pool.lookup_rule
         if rule is None or self.refused:
             return []
@@ -324,7 +320,7 @@ class _BesideRun:
     run tells how many of the drafts a round would have accepted."""
 
     def __init__(self, drafter: DrafterLink, history: list[int], k: int):
-        self.start, self.lookup = len(history), drafter.lookup_match(history, k) > 0
+        self.start, self.lookup = len(history), bool(drafter.lookup_drafts(history, k))
         self.task = asyncio.ensure_future(self._propose(drafter, list(history), k))
 
     @staticmethod
@@ -411,7 +407,8 @@ async def speculate(
     try:
         while produced < max_new_tokens:
             # Whether the drafter will draft this round by prompt lookup, and how far.
-            matched = drafter.lookup_match(history, k_max)
+            by_lookup = drafter.lookup_drafts(history, k_max)
+            matched = len(by_lookup)
             # A round commits at most k + 1 tokens: never draft past the budget.
             k_round = min(policy.choose(matched), max_new_tokens - produced - 1)
             if k_round <= 0:
@@ -424,7 +421,7 @@ async def speculate(
                 # token where the history holds a match: what a lookup round's first draft
                 # there would have got, known without the round.
                 check = policy.probes_beside_runs
-                expected = drafter.lookup_drafts(history, 1) if check else []
+                expected = by_lookup[:1] if check else []
                 try:
                     async with contextlib.aclosing(_plain_run(policy, max_new_tokens - produced, eos, history,
                                                               verifier, stats, trace_context)) as run:
@@ -437,11 +434,11 @@ async def speculate(
                             yield [token]
                             if token in eos:
                                 return
-                            drafts = drafter.lookup_drafts(history, k_max)
-                            if policy.lookup_pays(len(drafts)):
+                            by_lookup = drafter.lookup_drafts(history, k_max)
+                            if policy.lookup_pays(len(by_lookup)):
                                 stats.runs_cut += 1
                                 break
-                            expected = drafts[:1] if check else []
+                            expected = by_lookup[:1] if check else []
                 finally:
                     if beside is not None:
                         await beside.settle(history, policy, stats)

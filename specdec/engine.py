@@ -445,15 +445,11 @@ class Engine:
         device = self.device
         width = max(row.n for row, _, _ in placed)
         length = max(row.start + row.n for row, _, _ in placed)
-        if len(placed) == 1:
-            read_slots = placed[0][2][None]
-        else:
-            read_slots = torch.zeros(len(placed), length, dtype=torch.long, device=device)
+        # Each row's slots, padded to the longest with slot 0 (zeros, never attended).
+        read_slots = torch.nn.utils.rnn.pad_sequence([slots for _, _, slots in placed], batch_first=True)
         q_index, q_pos, packed, flat = [], [], [], []
-        for b, (row, offset, slots) in enumerate(placed):
+        for b, (row, offset, _) in enumerate(placed):
             end = row.start + row.n
-            if len(placed) > 1:
-                read_slots[b, :end] = slots
             pad = width - row.n
             q_index.append(list(range(offset, offset + row.n)) + [0] * pad)
             q_pos.append(list(range(row.start, end)) + [0] * pad)  # padding attends slot 0 only

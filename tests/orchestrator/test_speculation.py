@@ -28,9 +28,6 @@ class FakeDrafter:
         self.drafted_for: dict[tuple, list[int]] = {}  # a history -> the drafts made after it
         self.calls = 0
 
-    def lookup_match(self, history, k):
-        return len(self.lookup_drafts(history, k))
-
     def lookup_drafts(self, history, k):
         return []
 
