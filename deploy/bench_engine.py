@@ -17,7 +17,7 @@ import torch
 
 from deploy import launch
 from specdec import modeling, quantize
-from specdec.engine import Engine
+from specdec.engine import Engine, one_thread_outside_engines
 
 
 def pass_costs(eng: Engine, seqs, shapes) -> list[str]:
@@ -129,10 +129,11 @@ def main() -> None:
     parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT, help="for --stall")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantize", default="auto", choices=quantize.METHODS)
-    parser.add_argument("--threads", type=int, default=0, help="the pass's threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0, help="the pass's threads (0: one per core)")
     parser.add_argument("--stall", action="store_true", help="also measure a long prefill beside running streams")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    one_thread_outside_engines()  # as the services do
     model, _ = modeling.load_model(args.target, device=args.device)
     quantize.quantize(model, args.quantize)
     print(f"{args.target} on {args.device}, quantize {args.quantize}"

@@ -38,6 +38,21 @@ log = logging.getLogger(__name__)
 
 ATTENTION = "specdec_paged"
 LOG_EVERY_S = 30.0
+DEFAULT_THREADS = torch.get_num_threads()  # torch's default, one per core: before anything changes it
+_one_thread_elsewhere = False
+
+
+def one_thread_outside_engines() -> None:
+    """Makes every thread of this process but an engine's run its operations on one
+    core; call it before the model loads. libgomp's threads spin between two parallel
+    operations only while the process has no more of them than cores; the pool a second
+    thread leaves behind (the model loader's, the event loop's) makes each of a pass's
+    ~200 parallel operations sleep and wake instead. Measured on 2 cores, int8
+    (`python -m deploy.bench_engine --threads 2`): a step took 31.0 ms beside such a
+    pool, 14.7 ms without it."""
+    global _one_thread_elsewhere
+    _one_thread_elsewhere = True
+    torch.set_num_threads(1)
 
 
 @dataclass
@@ -177,7 +192,7 @@ class Engine:
         self.holders: set[PagedSequence] = set()  # sessions holding blocks
         self.stopped = False
         self.gather, self.pass_seconds = gather, 0.0
-        self.threads = threads  # intra-op threads of a pass (0: torch's default)
+        self.threads = threads or DEFAULT_THREADS  # intra-op threads of a pass
         # Totals, for the benchmark and the logs.
         self.passes = self.rows = self.tokens = self.evictions = 0
         self.busy_s = 0.0
@@ -187,8 +202,12 @@ class Engine:
             metrics.follow(queue=lambda: sum(not w.in_pass for w in list(self.queue)),
                            waiting=lambda: sum(not w.seq.admitted and not w.in_pass for w in list(self.queue)),
                            kv_used=lambda: self.pool.capacity - len(self.pool.free), kv_total=self.pool.capacity)
-        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        threads_set = threading.Event()
+        self.thread = threading.Thread(target=self._loop, args=(threads_set,), name="engine", daemon=True)
         self.thread.start()
+        threads_set.wait()
+        if _one_thread_elsewhere:
+            torch.set_num_threads(1)  # torch's default for threads to come, which the engine's set
         log.info("KV pool: %d blocks of %d tokens (%d tokens, %.1f MiB at %d bytes per token); batches of up to "
                  "%d rows and %d tokens", self.pool.capacity, block_size, self.pool.capacity * block_size,
                  self.pool.capacity * block_size * self.pool.bytes_per_token / 2 ** 20, self.pool.bytes_per_token,
@@ -306,10 +325,13 @@ class Engine:
 
     # -- the engine's thread ---------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _loop(self, threads_set: threading.Event) -> None:
         torch.set_grad_enabled(False)
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        # A thread takes torch's default at its first call; take it now, so that a later
+        # change of the default (one_thread_outside_engines) leaves this thread's alone.
+        torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        threads_set.set()
         coming: set[PagedSequence] = set()  # sessions of the last pass that said they would be back
         while True:
             with self.cond:

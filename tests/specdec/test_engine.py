@@ -4,6 +4,8 @@ preemption, cancels, failed passes, and every block given back."""
 
 import asyncio
 import copy
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -414,3 +416,34 @@ def test_a_decode_closed_at_its_yield_stops_before_its_closer_returns(models):
         return got
 
     assert asyncio.run(go()) == greedy_reference(models, prompt, 3)
+
+
+THREADS_SCRIPT = """
+import threading, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from specdec import engine
+
+engine.one_thread_outside_engines()
+model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+in_pass = []
+model.register_forward_hook(lambda *_: in_pass.append(torch.get_num_threads()))
+eng = engine.Engine(model, 1 << 20, threads=2)
+seq = eng.new_sequence()
+seq.sync(0, [1, 2, 3])
+eng.forward_now(seq, 1)
+later = []
+thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+thread.start()
+thread.join()
+print(in_pass[0], torch.get_num_threads(), later[0])
+"""
+
+
+def test_only_the_engines_thread_runs_a_pass_on_several_cores():
+    # In a process of its own: it changes torch's threads for the whole process. A pass
+    # runs on the threads asked for; the thread that made the engine, and a thread
+    # started after it, run on one (a second OpenMP pool would slow every pass).
+    done = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "1", "1"]
