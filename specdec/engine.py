@@ -83,6 +83,17 @@ class Plan:
     write_slots: torch.Tensor  # [T] pool slot of each new token
     groups: list[Group]
     dtype: torch.dtype  # attention computes in it (float64 for an int8 model: see specdec.quantize)
+    works: list["Work"]  # the pass's
+
+    def abandoned(self) -> bool:
+        """Every row's caller has gone (a decode whose reader moved on to another call on
+        the session): the rest of the pass would compute what nobody reads, and hold
+        the session meanwhile."""
+        return all(work.cancelled for work in self.works)
+
+
+class _Abandoned(Exception):
+    pass
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, specdec_plan=None,
@@ -92,6 +103,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     plan = specdec_plan
     if plan is None:
         raise RuntimeError("this model runs through specdec's Engine now: load another copy for other uses")
+    if plan.abandoned():
+        raise _Abandoned  # before this layer writes: the rows' caches stay as they were before the pass
     layer = module.layer_idx
     k_pool, v_pool = plan.pool.k[layer], plan.pool.v[layer]
     k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
@@ -349,6 +362,8 @@ class Engine:
             started = time.perf_counter()
             try:
                 logits, error = self._run(batch), None
+            except _Abandoned:
+                logits, error = None, None
             except Exception as err:  # a failed pass fails its rows, never the engine
                 log.exception("forward pass of %d rows failed", len(batch))
                 logits, error = None, err
@@ -450,7 +465,8 @@ class Engine:
         writes = [slots[row.start:] for row, _, slots in placed]
         short = [p for p in placed if p[0].n <= self.short]
         groups = [self._group(g) for g in ([short] if short else []) + [[p] for p in placed if p[0].n > self.short]]
-        plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), groups, self.attention_dtype)
+        plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), groups, self.attention_dtype,
+                    [row.work for row in batch])
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([ids], device=device),
                              position_ids=torch.tensor([positions], device=device),
@@ -516,6 +532,8 @@ class Engine:
             elif error is not None:
                 self._evict(seq)  # its cache is in doubt: it recomputes from its tokens
                 self._finish(work, error=error)
+            elif logits is None:  # abandoned (every row cancelled): what it wrote past row.start is not counted
+                self._finish(work)
             else:
                 seq.cached = row.start + row.n
                 work.parts.append(logits[kept:kept + row.wanted])

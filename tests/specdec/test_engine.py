@@ -418,6 +418,53 @@ def test_a_decode_closed_at_its_yield_stops_before_its_closer_returns(models):
     assert asyncio.run(go()) == greedy_reference(models, prompt, 3)
 
 
+
+def test_a_decode_whose_reader_left_abandons_its_pass_at_the_next_layer(models):
+    """The reader of a decode moves on (a lookup round cuts the run): the pass in flight
+    computes a token nobody reads, and the next call waits for it. It stops at its next
+    layer, keeps no part of what it wrote, and the session goes on from what was read."""
+    eng = engine(models)
+    seq = eng.new_sequence()
+    prompt = tokens(20, 9)
+    seq.sync(0, prompt)
+    picks, gate, reached = [], threading.Event(), threading.Event()
+    armed = [False]
+
+    def pick(logits):
+        picks.append(1)
+        return int(logits.argmax()), True
+
+    def hold(*_):
+        if armed[0]:
+            reached.set()
+            gate.wait(10)
+
+    hook = models[0].model.layers[1].register_forward_pre_hook(hold)
+
+    async def go():
+        steps = seq.decode(pick)
+        got = [(await anext(steps))[0] for _ in range(2)]
+        armed[0] = True
+        assert await asyncio.to_thread(reached.wait, 10)  # a pass is between its layers
+        picked = len(picks)
+        closing = asyncio.ensure_future(steps.aclose())
+        await asyncio.sleep(0.05)  # the close has marked the work cancelled
+        gate.set()
+        await closing
+        assert len(picks) == picked  # the held pass never finished
+        assert seq.cached == len(seq.tokens) - 1 and not eng.queue
+        seq.sync(len(prompt) + 2, [])  # the next call keeps what it read
+        logits, _ = await eng.forward(seq, 1)
+        return got, logits
+
+    try:
+        got, logits = asyncio.run(go())
+    finally:
+        hook.remove()
+    assert got == greedy_reference(models, prompt, 2)
+    close(logits, fresh(models, prompt + got, 1))
+
+
 THREADS_SCRIPT = """
 import threading, torch
 from transformers import LlamaConfig, LlamaForCausalLM
