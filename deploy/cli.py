@@ -147,8 +147,9 @@ def ray_command(args) -> int:
 def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     """What `specdec up` and `specdec ray up` both take."""
     flags.add(p, "--dtype", env="SPECDEC_DTYPE", default="float32", help="weights dtype of both models")
-    flags.add(p, "--proposer", env="SPECDEC_PROPOSER", default="model", choices=["model", "hybrid"],
-              help="how a model draft drafts: model alone, or prompt lookup when the context holds a long match")
+    flags.add(p, "--proposer", env="SPECDEC_PROPOSER", default="hybrid", choices=["model", "hybrid"],
+              help="how a model draft drafts: prompt lookup when the context holds a long match and the model "
+                   "otherwise (hybrid), or the model alone")
     flags.add(p, "--quantize", env="SPECDEC_QUANTIZE", default="auto", choices=["auto", "int8", "none"],
               help="int8 weights and activations (the CPU fast path: about twice the tokens/s, exact against "
                    "the int8 target); auto: int8 for models on a CPU, none on a GPU")

@@ -62,13 +62,13 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-drafter", description=__doc__)
     flags.add_server_flags(parser, "SPECDEC_DRAFTER", default_port=50052)
-    flags.add(parser, "--proposer", env="SPECDEC_DRAFTER_PROPOSER", default="model",
+    flags.add(parser, "--proposer", env="SPECDEC_DRAFTER_PROPOSER", default="hybrid",
               choices=["model", "ngram", "hybrid"],
               help="model: a small causal LM (--model); ngram: prompt lookup, no model; hybrid: prompt lookup "
                    "when the context holds a match of --lookup-min-match tokens, the model otherwise")
     flags.add(parser, "--model", env="SPECDEC_DRAFTER_MODEL", default=modeling.DEFAULT_DRAFT,
-              help="draft model: a directory, a hub id or a .gguf file (with --proposer model); the default is "
-                   "the draft distilled from the default target")
+              help="draft model: a directory, a hub id or a .gguf file (with --proposer model or hybrid); the "
+                   "default is the draft distilled from the default target")
     flags.add_session_service_flags(parser, "SPECDEC_DRAFTER")
     flags.add(parser, "--max-draft-support", env="SPECDEC_DRAFTER_MAX_DRAFT_SUPPORT", type=int, default=64,
               help="when sampling, draft from the top N tokens of q and send them")
