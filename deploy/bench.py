@@ -5,14 +5,16 @@ On one prompt set, in one run, interleaved per prompt:
   assisted     transformers' assisted generation with the same draft (its defaults)
   inprocess    our speculative round (the orchestrator's loop, the drafter's proposer,
                the verifier's acceptance) in this process, no gRPC
-  grpc         the full `specdec up` path: three processes over gRPC, K fixed (-k)
-  adaptive     the same services, K chosen by the orchestrator each round
+  grpc         the full `specdec up` path with the model draft (`--proposer model`):
+               three processes over gRPC, K fixed (-k)
+  adaptive     the same services (the model draft alone), K chosen by the orchestrator
+               each round
   overlap      `specdec up --overlap`: K fixed, each round drafted while the last one
                is verified
   ngram        `specdec up --draft ngram`: the prompt-lookup drafter
-  hybrid       `specdec up --proposer hybrid`: prompt lookup when the context holds a
-               long match, the model draft otherwise; K chosen each round, lookup rounds
-               priced apart
+  hybrid       `specdec up` as it starts by default (`--proposer hybrid`): prompt lookup
+               when the context holds a long match, the model draft otherwise; K chosen
+               each round, lookup rounds priced apart
 
 Prompts come in categories (open chat, code, repetitive tasks whose answer copies the
 prompt, plain-text continuation); speedups are reported overall and per category.
