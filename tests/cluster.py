@@ -7,8 +7,7 @@ import grpc
 import torch
 
 from specdec.quantize import quantize
-from deploy import launch
-from deploy.launch import HOST, Service, free_port, start, stop, wait_serving
+from deploy.launch import DRAFTER_THREADS, HOST, VERIFIER_THREADS, Service, free_port, start, stop, wait_serving
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
@@ -20,10 +19,6 @@ PY = [sys.executable, "-m"]
 DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
 QUANTIZE = os.environ.get("SPECDEC_TEST_QUANTIZE", "none")
 NUMERICS = ["--device", DEVICE, "--quantize", QUANTIZE]
-# The threads `specdec up` gives the services on this machine: a pass on a thread per core,
-# in each of several services and the tests beside them, would stall on the cores they share.
-VERIFIER_THREADS = ["--threads", str(launch.VERIFIER_THREADS)]
-DRAFTER_THREADS = ["--threads", str(launch.DRAFTER_THREADS)]
 
 
 def as_tested(model):
@@ -32,15 +27,17 @@ def as_tested(model):
 
 
 def verifier(model, name="verifier", port=None, extra=()) -> Service:
+    # The threads `specdec up` gives the services (the drafter's too): a pass on a thread per
+    # core, in each of several services and the tests beside them, stalls on the shared cores.
     port = port or free_port()
     return Service(name, port, [*PY, "verifier_service", "--host", HOST, "--port", str(port), "--model", str(model),
-                                *NUMERICS, *VERIFIER_THREADS, *extra])
+                                *NUMERICS, "--threads", str(VERIFIER_THREADS), *extra])
 
 
 def drafter(model=None, name="drafter", port=None, proposer="model", extra=()) -> Service:
     port = port or free_port()
-    proposer = ["--proposer", proposer, "--model", str(model), *NUMERICS, *DRAFTER_THREADS] if model else \
-        ["--proposer", "ngram"]
+    proposer = ["--proposer", proposer, "--model", str(model), *NUMERICS, "--threads", str(DRAFTER_THREADS)] \
+        if model else ["--proposer", "ngram"]
     return Service(name, port, [*PY, "drafter_service", "--host", HOST, "--port", str(port), *proposer, *extra])
 
 

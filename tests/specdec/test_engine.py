@@ -448,7 +448,8 @@ def test_a_decode_whose_reader_left_abandons_its_pass_at_the_next_layer(models):
         assert await asyncio.to_thread(reached.wait, 10)  # a pass is between its layers
         picked = len(picks)
         closing = asyncio.ensure_future(steps.aclose())
-        await asyncio.sleep(0.05)  # the close has marked the work cancelled
+        while not (eng.queue and all(work.cancelled for work in eng.queue)):  # the close marks the work in the pass
+            await asyncio.sleep(0.001)
         gate.set()
         await closing
         assert len(picks) == picked  # the held pass never finished
