@@ -4,6 +4,7 @@ all on Ctrl-C or SIGTERM (or when one of them dies)."""
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,36 @@ log = logging.getLogger("specdec.up")
 HOST = "127.0.0.1"
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int | None:
+    """The lowest port the kernel gives the local end of an outgoing connection (Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for a service about to start, never handed out twice
+    by this process. Below the ephemeral range where it is known: a port from bind(0) is
+    one the kernel may give the next outgoing connection before the service binds it (CI
+    saw a service's metrics port taken while the bench started its deployments)."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 10000), low) if low and low > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free port found")
 
 
 @dataclass
