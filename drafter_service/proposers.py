@@ -12,8 +12,7 @@ import torch
 
 from specdec import modeling, sampling
 from specdec.common.v1 import common_pb2
-from specdec.engine import Engine
-from specdec.kv import PagedSequence, TokenSequence
+from specdec.engine import Engine, PagedSequence, TokenSequence
 from specdec.lookup import suffix_match
 
 # One draft token, and the sparse distribution it was sampled from (None: one-hot).

@@ -13,8 +13,7 @@ import torch
 
 from specdec import sampling
 from specdec.common.v1 import common_pb2
-from specdec.engine import Pass
-from specdec.kv import PagedSequence
+from specdec.engine import PagedSequence, Pass
 from specdec.sampling import Draws
 from specdec.verifier.v1 import verifier_pb2
 

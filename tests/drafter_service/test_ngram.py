@@ -4,7 +4,7 @@ import asyncio
 
 from drafter_service.proposers import NgramProposer
 from specdec.common.v1 import common_pb2
-from specdec.kv import TokenSequence
+from specdec.engine import TokenSequence
 
 GREEDY = common_pb2.SamplingParams(top_p=1.0)
 

@@ -13,9 +13,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster import as_tested
-from specdec.engine import Engine
+from specdec.engine import Engine, TokenSequence
 from specdec.errors import NeedsResync, Overloaded
-from specdec.kv import TokenSequence
 
 VOCAB = 300
 
@@ -203,13 +202,13 @@ def test_a_failed_pass_fails_its_rows_and_the_next_call_is_exact(models, monkeyp
     seq = eng.new_sequence()
     seq.sync(0, tokens(20, 8))
     eng.forward_now(seq, 1)
-    real = eng._run
-    monkeypatch.setattr(eng, "_run", lambda batch: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    real = eng.runner.run
+    monkeypatch.setattr(eng.runner, "run", lambda batch: (_ for _ in ()).throw(RuntimeError("out of memory")))
     seq.extend([1, 2])
     with pytest.raises(RuntimeError, match="out of memory"):
         eng.forward_now(seq, 3)
     assert seq.cached == 0 and not seq.blocks  # dropped: its cache is in doubt
-    monkeypatch.setattr(eng, "_run", real)
+    monkeypatch.setattr(eng.runner, "run", real)
     close(eng.forward_now(seq, 3)[0], fresh(models, seq.tokens, 3))
 
 
@@ -227,7 +226,7 @@ def test_every_block_comes_back(models):
         works[0].future.result()
     for seq in seqs[1:]:
         eng.release(seq)
-    assert len(eng.pool.free) == eng.pool.capacity and not eng.holders and not eng.queue
+    assert len(eng.pool.free) == eng.pool.capacity and not eng.blocks.holders and not eng.queue
 
 
 def test_sessions_closed_during_a_pass_do_not_fill_the_waiting_queue(models, monkeypatch):
@@ -235,14 +234,14 @@ def test_sessions_closed_during_a_pass_do_not_fill_the_waiting_queue(models, mon
     arriving meanwhile are admitted (memory is free), not refused as if it were full."""
     eng = engine(models, max_waiting=1)
     entered, gate = threading.Event(), threading.Event()
-    real = eng._run
+    real = eng.runner.run
 
     def slow(batch):
         entered.set()
         gate.wait(10)
         return real(batch)
 
-    monkeypatch.setattr(eng, "_run", slow)
+    monkeypatch.setattr(eng.runner, "run", slow)
     closing = eng.new_sequence()
     closing.sync(0, tokens(10, 1))
     work = eng.submit(closing, 1)
@@ -268,14 +267,14 @@ def test_a_session_closed_during_a_pass_keeps_its_blocks_until_the_pass_ends(mod
     blocks a newcomer held.)"""
     eng = engine(models)
     entered, gate = threading.Event(), threading.Event()
-    real = eng._run
+    real = eng.runner.run
 
     def slow(batch):
         entered.set()
         gate.wait(10)
         return real(batch)
 
-    monkeypatch.setattr(eng, "_run", slow)
+    monkeypatch.setattr(eng.runner, "run", slow)
     closing, staying = eng.new_sequence(), eng.new_sequence()
     closing.sync(0, tokens(40, 21))
     staying.sync(0, tokens(30, 22))

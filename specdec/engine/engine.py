@@ -1,0 +1,311 @@
+"""The batching engine both services run their model through: continuous batching
+over sessions, one forward pass at a time.
+
+Every call that needs the model submits *work*: compute the keys and values of a
+session's tokens that are not cached yet, and return the logits of its last `last`
+tokens. Between passes, the engine's thread takes whatever work is waiting into one
+pass, whatever the sessions' lengths. The parts, each with one job:
+
+- `sequence`: a session's tokens and the blocks its cache lives in;
+- `block_manager`: the KV pool, admission by memory, preemption by recompute;
+- `scheduler`: the queue, and which rows (whole rounds, prefill chunks) a pass takes;
+- `model_runner`: the pass's rows as batched tensors, one forward;
+- `attention`: each row attending its own keys and values in the pool;
+- this module: the engine's thread, the calls services make, and what a pass's end
+  means for each work (logits, the next decode step, an error, a cancel)."""
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+import torch
+
+from specdec.engine.attention import Abandoned, check_supported
+from specdec.engine.block_manager import BlockManager, KVPool
+from specdec.engine.model_runner import ModelRunner
+from specdec.engine.scheduler import Pass, Row, Scheduler, Work
+from specdec.engine.sequence import PagedSequence
+from specdec.errors import NeedsResync, Overloaded, RESYNC_DETAIL
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 30.0
+DEFAULT_THREADS = torch.get_num_threads()  # torch's default, one per core: before anything changes it
+_one_thread_elsewhere = False
+
+
+def one_thread_outside_engines() -> None:
+    """Makes every thread of this process but an engine's run its operations on one
+    core; call it before the model loads. libgomp's threads spin between two parallel
+    operations only while the process has no more of them than cores; the pool a second
+    thread leaves behind (the model loader's, the event loop's) makes each of a pass's
+    ~200 parallel operations sleep and wake instead. Measured on 2 cores, int8
+    (`python -m deploy.bench_engine --threads 2`): a step took 31.0 ms beside such a
+    pool, 14.7 ms without it."""
+    global _one_thread_elsewhere
+    _one_thread_elsewhere = True
+    torch.set_num_threads(1)
+
+
+def _closed() -> NeedsResync:
+    return NeedsResync(f"the session was closed during the call; {RESYNC_DETAIL}")
+
+
+class Engine:
+    """Runs one model for all sessions of a service; see the module docstring."""
+
+    def __init__(self, model, kv_cache_bytes: int, max_batch_rows: int = 64, max_batch_tokens: int = 256,
+                 max_waiting: int = 64, block_size: int = 16, gather: float = 0.25, threads: int = 0,
+                 metrics=None):
+        if max_batch_rows < 1 or max_batch_tokens < 1:
+            raise ValueError("max_batch_rows and max_batch_tokens must be >= 1")
+        check_supported(model)
+        self.model = model
+        self.pool = KVPool(model.config, kv_cache_bytes, model.dtype, model.device, block_size)
+        self.blocks = BlockManager(self.pool, metrics)
+        self.cond = threading.Condition()
+        self.scheduler = Scheduler(self.blocks, self.cond, max_batch_rows, max_batch_tokens, gather)
+        self.runner = ModelRunner(model, self.pool, self.scheduler.short)
+        self.max_waiting = max_waiting
+        self.stopped = False
+        self.pass_seconds = 0.0
+        self.threads = threads or DEFAULT_THREADS  # intra-op threads of a pass
+        # Totals, for the benchmark and the logs.
+        self.passes = self.rows = self.tokens = 0
+        self.busy_s = 0.0
+        self.logged = (time.monotonic(), 0, 0, 0, 0.0)
+        self.metrics = metrics  # specdec.metrics.EngineMetrics, or None
+        if metrics is not None:
+            metrics.follow(queue=lambda: sum(not w.in_pass for w in list(self.queue)),
+                           waiting=lambda: sum(not w.seq.admitted and not w.in_pass for w in list(self.queue)),
+                           kv_used=lambda: self.blocks.used, kv_total=self.pool.capacity)
+        threads_set = threading.Event()
+        self.thread = threading.Thread(target=self._loop, args=(threads_set,), name="engine", daemon=True)
+        self.thread.start()
+        threads_set.wait()
+        if _one_thread_elsewhere:
+            torch.set_num_threads(1)  # torch's default for threads to come, which the engine's set
+        log.info("KV pool: %d blocks of %d tokens (%d tokens, %.1f MiB at %d bytes per token); batches of up to "
+                 "%d rows and %d tokens", self.pool.capacity, block_size, self.pool.capacity * block_size,
+                 self.pool.capacity * block_size * self.pool.bytes_per_token / 2 ** 20, self.pool.bytes_per_token,
+                 max_batch_rows, max_batch_tokens)
+
+    @property
+    def queue(self) -> list[Work]:
+        return self.scheduler.queue
+
+    @property
+    def evictions(self) -> int:
+        return self.blocks.evictions
+
+    def new_sequence(self) -> PagedSequence:
+        return PagedSequence(self)
+
+    # -- calls (any thread) --------------------------------------------------------------
+
+    def submit(self, seq: PagedSequence, last: int, again: bool = True, then=None) -> Work:
+        """Queues work; `again`: the caller will be back with more right after this one
+        (the next pass may wait a little for it); `then`: see Work."""
+        with self.cond:
+            if not self.blocks.fits(seq):
+                raise Overloaded(f"the session holds {len(seq.tokens)} tokens; the KV pool holds "
+                                 f"{self.pool.capacity * self.pool.block_size}")
+            if not seq.admitted:
+                waiting = self.scheduler.waiting()
+                if not (waiting == 0 and self.blocks.admit(seq)) and waiting >= self.max_waiting:
+                    raise Overloaded(f"{waiting} sessions are waiting for KV memory")
+            seq.cached = min(seq.cached, len(seq.tokens) - last)  # logits come from computing those positions
+            work = self.scheduler.add(seq, last, again, then)
+            self.cond.notify()
+        return work
+
+    async def forward(self, seq: PagedSequence, last: int, again: bool = True) -> tuple[torch.Tensor, Pass]:
+        """Logits after each of the last `last` tokens of seq ([last, vocab]), and the
+        pass that finished them."""
+        work = self.submit(seq, last, again)
+        done = asyncio.wrap_future(work.future)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            # The caller goes, but the session must not change under a pass that holds it.
+            self.cancel(work)
+            await asyncio.wait([done])
+            if not done.cancelled():
+                done.exception()  # nobody wants it now
+            raise
+
+    async def decode(self, seq: PagedSequence, pick: Callable[[torch.Tensor], tuple[int, bool]]
+                     ) -> AsyncIterator[tuple[int, Pass]]:
+        """The target alone, one token per pass: pick(logits after the last token [vocab])
+        gives the next token and whether to go on. The token joins the sequence, and the
+        session the next pass, on the engine's thread: no hand-off to the caller between
+        passes, whose cost (a thread switch, the caller's own work) would fall on every
+        token. Yields each (token, pass) as it is picked; the last token is not computed."""
+        loop = asyncio.get_running_loop()
+        picked: asyncio.Queue = asyncio.Queue()
+
+        def then(logits: torch.Tensor, done: Pass) -> bool:
+            token, go_on = pick(logits[-1])
+            seq.extend([token])
+            loop.call_soon_threadsafe(picked.put_nowait, (token, done))
+            return go_on
+
+        work = self.submit(seq, 1, then=then)
+        finished = asyncio.wrap_future(work.future)
+        # The work's end comes through the same queue, behind every token picked before it:
+        # one wait per token, not a wait on two futures.
+        finished.add_done_callback(lambda _: picked.put_nowait(None))
+        try:
+            while (item := await picked.get()) is not None:
+                yield item
+            finished.result()  # the pass's error, if one failed
+        finally:
+            if not finished.done():
+                # The caller stops early (or was cancelled): the session must not change
+                # under a pass that holds it.
+                self.cancel(work)
+                await asyncio.wait([finished])
+            if not finished.cancelled():
+                finished.exception()  # nobody wants it now
+
+    def forward_now(self, seq: PagedSequence, last: int) -> tuple[torch.Tensor, Pass]:
+        """`forward` for a caller that is not on an event loop (warm-up, benchmarks)."""
+        return self.submit(seq, last).future.result()
+
+    def cancel(self, work: Work) -> None:
+        with self.cond:
+            work.cancelled = True
+            if not work.in_pass and work in self.queue:
+                self._finish(work)
+                self.cond.notify()
+
+    def crop(self, seq: PagedSequence, length: int) -> None:
+        """Forget cached positions from `length` on and the blocks the tokens no longer need."""
+        with self.cond:
+            seq.cached = min(seq.cached, length)
+            if self.blocks.crop(seq):
+                self.cond.notify()
+
+    def release(self, seq: PagedSequence) -> None:
+        """A closed session: its blocks go back to the pool; a call still waiting on it
+        learns that the session is gone (the caller resends it). A session in the running
+        pass keeps its blocks until the pass ends: the pass is writing to them, and they
+        must not reach another session before it has."""
+        with self.cond:
+            seq.released = True
+            for work in [w for w in self.queue if w.seq is seq and not w.in_pass]:
+                self._finish(work, error=_closed())
+            if not any(w.seq is seq and w.in_pass for w in self.queue):
+                self.blocks.evict(seq)
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+
+    # -- the engine's thread ---------------------------------------------------------------
+
+    def _loop(self, threads_set: threading.Event) -> None:
+        torch.set_grad_enabled(False)
+        # A thread takes torch's default at its first call; take it now, so that a later
+        # change of the default (one_thread_outside_engines) leaves this thread's alone.
+        torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        threads_set.set()
+        coming: set[PagedSequence] = set()  # sessions of the last pass that said they would be back
+        while True:
+            with self.cond:
+                while True:
+                    if self.stopped:
+                        return
+                    if self.queue:
+                        self.scheduler.gather_coming(coming, self.pass_seconds, lambda: self.stopped)
+                        if batch := self.scheduler.schedule():
+                            break
+                    self.cond.wait()
+                for row in batch:
+                    row.work.in_pass = True
+                coming = {row.work.seq for row in batch if row.work.again}
+            started = time.perf_counter()
+            try:
+                logits, error = self.runner.run(batch), None
+            except Abandoned:
+                logits, error = None, None
+            except Exception as err:  # a failed pass fails its rows, never the engine
+                log.exception("forward pass of %d rows failed", len(batch))
+                logits, error = None, err
+            done = Pass(len(batch), sum(row.n for row in batch), time.perf_counter() - started)
+            with self.cond:
+                self._commit(batch, logits, error, done)
+
+    def _commit(self, batch: list[Row], logits: torch.Tensor | None, error: Exception | None, done: Pass) -> None:
+        self.passes += 1
+        self.rows += done.rows
+        self.tokens += done.tokens
+        self.busy_s += done.seconds
+        self.pass_seconds = 0.9 * self.pass_seconds + 0.1 * done.seconds
+        if self.metrics is not None:
+            self.metrics.passes.observe(done.seconds)
+            self.metrics.rows.observe(done.rows)
+            self.metrics.tokens.observe(done.tokens)
+            if error is not None:
+                self.metrics.failed_passes.inc()
+        now = time.monotonic()
+        if now - self.logged[0] >= LOG_EVERY_S:
+            passes = self.passes - self.logged[1]
+            log.info("%d passes in %.0f s: %.1f rows and %.1f tokens per pass, %.1f ms each, busy %.0f%%, "
+                     "%d sessions hold %d of %d KV blocks, %d waiting", passes, now - self.logged[0],
+                     (self.rows - self.logged[2]) / passes, (self.tokens - self.logged[3]) / passes,
+                     (self.busy_s - self.logged[4]) * 1e3 / passes, 100 * (self.busy_s - self.logged[4]) /
+                     (now - self.logged[0]), len(self.blocks.holders), self.blocks.used,
+                     self.pool.capacity, self.scheduler.waiting())
+            self.logged = (now, self.passes, self.rows, self.tokens, self.busy_s)
+        kept = 0
+        for row in batch:
+            work, seq = row.work, row.work.seq
+            work.in_pass = False
+            if seq.released:
+                self._finish(work, error=_closed())
+                self.blocks.evict(seq)  # closed during the pass: its blocks are free now
+            elif error is not None:
+                self.blocks.evict(seq)  # its cache is in doubt: it recomputes from its tokens
+                self._finish(work, error=error)
+            elif logits is None:  # abandoned (every row cancelled): what it wrote past row.start is not counted
+                self._finish(work)
+            else:
+                seq.cached = row.start + row.n
+                work.parts.append(logits[kept:kept + row.wanted])
+                if work.cancelled:
+                    self._finish(work)
+                elif work.remaining == 0:
+                    self._done(work, work.parts[0] if len(work.parts) == 1 else torch.cat(work.parts), done)
+            kept += row.wanted
+        self.cond.notify()
+
+    def _done(self, work: Work, logits: torch.Tensor, done: Pass) -> None:
+        if work.then is None:
+            self._finish(work, result=(logits, done))
+            return
+        try:
+            go_on = work.then(logits, done)
+        except Exception as err:  # the caller's pick failed: its work ends, never the engine
+            self._finish(work, error=err)
+            return
+        if go_on:  # the token just picked is the work's next pass
+            work.parts = []
+        else:
+            self._finish(work, result=(logits, done))
+
+    def _finish(self, work: Work, result=None, error: Exception | None = None) -> None:
+        """Takes the work off the queue and answers it (a cancel without result or error)."""
+        if work in self.queue:
+            self.queue.remove(work)
+        if error is not None:
+            work.future.set_exception(error)
+        elif result is not None:
+            work.future.set_result(result)
+        else:
+            work.future.cancel()
