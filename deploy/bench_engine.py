@@ -137,7 +137,8 @@ def main() -> None:
     model, _ = modeling.load_model(args.target, device=args.device)
     quantize.quantize(model, args.quantize)
     print(f"{args.target} on {args.device}, quantize {args.quantize}"
-          + (f" ({quantize.kernel()})" if quantize.is_int8(model) else ""), flush=True)
+          + f" -> {quantize.method_of(model)}" + (f" ({quantize.kernel()})" if quantize.is_int8(model) else ""),
+          flush=True)
     eng = Engine(model, 1 << 30, max_batch_tokens=1024, threads=args.threads)
     seqs = []
     for i in range(8):

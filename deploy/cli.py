@@ -150,9 +150,11 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     flags.add(p, "--proposer", env="SPECDEC_PROPOSER", default="hybrid", choices=["model", "hybrid"],
               help="how a model draft drafts: prompt lookup when the context holds a long match and the model "
                    "otherwise (hybrid), or the model alone")
-    flags.add(p, "--quantize", env="SPECDEC_QUANTIZE", default="auto", choices=["auto", "int8", "none"],
-              help="int8 weights and activations (the CPU fast path: about twice the tokens/s, exact against "
-                   "the int8 target); auto: int8 for models on a CPU, none on a GPU")
+    flags.add(p, "--quantize", env="SPECDEC_QUANTIZE", default="auto", choices=["auto", "gguf", "int8", "none"],
+              help="CPU numerics, exact against the target alone with the same numerics. gguf: a .gguf model's "
+                   "own blocks (the default target's), float32 activations; int8: int8 weights and "
+                   "activations; auto: gguf where the model is a .gguf file we multiply, else int8 on a CPU, "
+                   "none on a GPU")
     flags.add(p, "--device", env="SPECDEC_DEVICE", default=None,
               help="torch device of the verifier (default: cpu; under Ray, cuda when it got a GPU)")
     flags.add(p, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,

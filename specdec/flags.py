@@ -62,9 +62,10 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
     """Flags of the services that load a model and keep sessions (drafter, verifier)."""
     add(parser, "--dtype", env=f"{prefix}_DTYPE", default="float32", choices=["float32", "float16", "bfloat16"],
         help="weights dtype")
-    add(parser, "--quantize", env=f"{prefix}_QUANTIZE", default="none", choices=["none", "int8", "auto"],
-        help="int8: int8 weights and per-row int8 activations in every linear layer (CPU only); "
-             "auto: int8 on a CPU, none elsewhere")
+    add(parser, "--quantize", env=f"{prefix}_QUANTIZE", default="none", choices=["none", "int8", "gguf", "auto"],
+        help="CPU numerics. gguf: a .gguf model's own 4- or 8-bit blocks, float32 activations; int8: int8 "
+             "weights and per-row int8 activations in every linear layer; auto: gguf for a .gguf model whose "
+             "blocks we multiply, int8 for other models on a CPU, none elsewhere")
     add(parser, "--threads", env=f"{prefix}_THREADS", type=int, default=0,
         help="CPU threads of a forward pass (0: one per core). Services that share cores run faster with "
              "fewer: a pass's threads wait at every operation for the slowest, and a core lent elsewhere stalls it")

@@ -149,6 +149,13 @@ def resolve(spec: str) -> str:
     return spec
 
 
+def gguf_file(spec: str) -> str | None:
+    """The .gguf file `spec` names (the default target is one), or None."""
+    if spec == DEFAULT_TARGET:
+        return str(_default_target_file())
+    return str(Path(spec).resolve()) if spec.endswith(".gguf") else None
+
+
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
@@ -183,6 +190,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
     path = resolve(spec)
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+    model.config.specdec_gguf = gguf_file(spec)  # its blocks can replace the de-quantized weights (--quantize)
     head = model.get_output_embeddings()
     if device == "cpu" and isinstance(head, torch.nn.Linear) and head.bias is None:
         model.set_output_embeddings(_FewRowsHead(head))

@@ -37,9 +37,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specdec import ggml
+
 log = logging.getLogger(__name__)
 
-METHODS = ("none", "int8", "auto")  # auto: int8 on a CPU, none elsewhere
+# auto: on a CPU, a GGUF file's own blocks where it holds its layers in types we multiply
+# (specdec.ggml), int8 otherwise; none elsewhere
+METHODS = ("none", "int8", "gguf", "auto")
 FLOAT64_ATTENTION = "specdec_float64_sdpa"
 
 
@@ -55,13 +59,19 @@ def float64_attention(module, query, key, value, attention_mask, **kwargs):
 AttentionInterface.register(FLOAT64_ATTENTION, float64_attention)
 
 
+def method_of(model) -> str:
+    """What `quantize` did to the model: none, int8 or gguf."""
+    return getattr(model.config, "specdec_quantize", "none")
+
+
 def is_int8(model) -> bool:
-    return getattr(model.config, "specdec_quantize", "none") == "int8"
+    return method_of(model) == "int8"
 
 
 def attention_dtype(model, dtype: torch.dtype) -> torch.dtype:
-    """What attention computes in for `model` (its activations' dtype unless int8)."""
-    return torch.float64 if is_int8(model) else dtype
+    """What attention computes in for `model`: its activations' dtype, float64 for a
+    quantized model (batch invariance; see the module docstring)."""
+    return torch.float64 if method_of(model) != "none" else dtype
 
 
 def _fbgemm_pack(weight_int8: torch.Tensor, scale: torch.Tensor):
@@ -133,18 +143,13 @@ class Int8Linear(torch.nn.Module):
 
 
 class _Shared(torch.nn.Module):
-    """Linear layers that read the same input, as one Int8Linear over their stacked rows."""
+    """Linear layers that read the same input, as one product over their stacked rows
+    (`fused`), each taking its own columns."""
 
-    def __init__(self, linears: list[torch.nn.Module]):
+    def __init__(self, fused: torch.nn.Module, sizes: list[int]):
         super().__init__()
-        stacked = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
-                                  bias=linears[0].bias is not None, dtype=linears[0].weight.dtype)
-        with torch.no_grad():
-            stacked.weight.copy_(torch.cat([m.weight for m in linears]))
-            if stacked.bias is not None:
-                stacked.bias.copy_(torch.cat([m.bias for m in linears]))
-        self.linear = Int8Linear(stacked)
-        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+        self.linear = fused
+        ends = torch.tensor(sizes).cumsum(0).tolist()
         self.columns = list(zip([0] + ends[:-1], ends))
         self.input, self.output, self.waiting = None, None, set()
 
@@ -180,14 +185,27 @@ class _Part(torch.nn.Module):
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _share_inputs(parent: torch.nn.Module) -> None:
+def _int8_fused(linears: list[torch.nn.Module]) -> "Int8Linear | None":
+    if not all(isinstance(m, torch.nn.Linear) for m in linears) or len({m.bias is None for m in linears}) > 1:
+        return None
+    stacked = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                              bias=linears[0].bias is not None, dtype=linears[0].weight.dtype)
+    with torch.no_grad():
+        stacked.weight.copy_(torch.cat([m.weight for m in linears]))
+        if stacked.bias is not None:
+            stacked.bias.copy_(torch.cat([m.bias for m in linears]))
+    return Int8Linear(stacked)
+
+
+def _share_inputs(parent: torch.nn.Module, fuse) -> None:
+    """fuse(layers) -> one module computing their stacked rows, or None (leave them)."""
     for names in SHARED_INPUT:
         linears = [getattr(parent, name, None) for name in names]
-        if not all(isinstance(m, torch.nn.Linear) for m in linears):
+        if any(m is None or not hasattr(m, "in_features") for m in linears):
             continue
-        if len({m.in_features for m in linears}) > 1 or len({m.bias is None for m in linears}) > 1:
+        if len({m.in_features for m in linears}) > 1 or (fused := fuse(linears)) is None:
             continue
-        shared = _Shared(linears)
+        shared = _Shared(fused, [m.out_features for m in linears])
         parent.add_module("shared_" + "_".join(n.split("_")[0] for n in names), shared)
         for i, name in enumerate(names):
             setattr(parent, name, _Part(shared, i))
@@ -199,19 +217,28 @@ def quantize(model, method: str):
     quantized as it is then."""
     if method not in METHODS:
         raise ValueError(f"quantize must be one of {', '.join(METHODS)}, got {method!r}")
+    source = getattr(model.config, "specdec_gguf", None)  # the .gguf file it was loaded from (specdec.modeling)
     if method == "auto":
-        method = "int8" if model.device.type == "cpu" else "none"
+        method = "none" if model.device.type != "cpu" else "gguf" if ggml.supported(source) else "int8"
     if method == "none":
         return model
     if model.device.type != "cpu":
-        raise ValueError(f"--quantize int8 is the CPU path; the model is on {model.device} "
+        raise ValueError(f"--quantize {method} is the CPU path; the model is on {model.device} "
                          "(use --dtype bfloat16 there)")
-    head = model.get_output_embeddings()
-    for parent in list(model.modules()):
-        _share_inputs(parent)
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear) or child is head:
-                setattr(parent, name, Int8Linear(child))
+    if method == "gguf":
+        if not source:
+            raise ValueError("--quantize gguf keeps a GGUF file's blocks: the model was not loaded from a .gguf file")
+        replaced = ggml.load_blocks(model, source)
+        for parent in list(model.modules()):
+            _share_inputs(parent, ggml.fuse)
+        log.info("%d layers run on the GGUF file's own blocks", replaced)
+    else:
+        head = model.get_output_embeddings()
+        for parent in list(model.modules()):
+            _share_inputs(parent, _int8_fused)
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear) or child is head:
+                    setattr(parent, name, Int8Linear(child))
     model.config.specdec_quantize = method
     if model._can_set_attn_implementation():
         model.set_attn_implementation(FLOAT64_ATTENTION)  # the engine sets its own, in float64 too

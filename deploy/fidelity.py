@@ -1,0 +1,130 @@
+"""How faithful a model's numerics are to the model as published: `python -m deploy.fidelity`.
+
+The reference is the target with its weights de-quantized to float32 (for a GGUF file,
+its blocks exactly: the published model) and float32 arithmetic. Each numerics
+(`--quantize` methods) and, with `--llama-cpp DIR`, llama.cpp's `llama-server` on the
+same file, answers 16 chat prompts greedily; per numerics:
+- prompts whose greedy tokens are identical to the reference's;
+- the first divergence (median tokens before it);
+- the perplexity ratio: how much less likely the reference's own greedy text is under
+  the numerics than under the reference (1.0: as likely)."""
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+import urllib.request
+
+import torch
+
+from deploy import launch
+from specdec import modeling, quantize
+
+PROMPTS = [
+    "What causes the seasons on Earth?",
+    "Write a haiku about autumn leaves.",
+    "How do I make a cup of green tea?",
+    "Explain what a prime number is to a child.",
+    "What are three benefits of regular exercise?",
+    "Describe the water cycle in a few sentences.",
+    "Why is the sky blue?",
+    "Suggest a name for a friendly robot.",
+    "How does a bicycle stay upright?",
+    "What should I pack for a weekend camping trip?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is the difference between weather and climate?",
+    "Give me a simple recipe for pancakes.",
+    "How do bees make honey?",
+    "What is machine learning, in two sentences?",
+    "Write a short thank-you note to a teacher.",
+]
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    out = model.generate(x, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x))
+    return out[0, len(ids):].tolist()
+
+
+def nll(model, ids: list[int], answer: list[int]) -> float:
+    """Mean negative log-likelihood of `answer` after `ids`."""
+    logits = model(torch.tensor([ids + answer])).logits[0, len(ids) - 1:-1].double()
+    return torch.nn.functional.cross_entropy(logits, torch.tensor(answer)).item()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def summary(label: str, reference: list[list[int]], answers: list[list[int]], ratio: float | None) -> str:
+    same = sum(a == r for a, r in zip(answers, reference))
+    diverge = statistics.median(first_divergence(a, r) for a, r in zip(answers, reference))
+    return (f"{label}: identical on {same} of {len(reference)} prompts; first divergence after a median of "
+            f"{diverge:g} tokens; perplexity ratio " + (f"{ratio:.4f}" if ratio is not None else "n/a"))
+
+
+def llama_cpp_answers(bin_dir: str, gguf: str, prompts: list[list[int]], n: int, threads: int) -> list[list[int]]:
+    port = launch.free_port()
+    server = subprocess.Popen([f"{bin_dir}/llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                               "-t", str(threads), "-c", "2048", "-np", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("llama-server did not start")
+                time.sleep(0.5)
+        answers = []
+        for ids in prompts:
+            body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
+                               "return_tokens": True, "ignore_eos": False}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                             {"Content-Type": "application/json"})
+            answers.append(json.loads(urllib.request.urlopen(request, timeout=300).read())["tokens"])
+        return answers
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m deploy.fidelity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
+    parser.add_argument("--quantize", default="gguf,int8", help="numerics to compare with the float32 reference")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: add llama-server's answers")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(args.threads)
+    reference, tokenizer = modeling.load_model(args.target)
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
+    want = [greedy(reference, ids, args.max_new_tokens) for ids in prompts]
+    base = [nll(reference, ids, a) for ids, a in zip(prompts, want)]
+    for method in [m.strip() for m in args.quantize.split(",") if m.strip()]:
+        model = quantize.quantize(modeling.load_model(args.target)[0], method)
+        got = [greedy(model, ids, args.max_new_tokens) for ids in prompts]
+        ratio = torch.tensor([nll(model, ids, a) - b for ids, a, b in zip(prompts, want, base)]).mean().exp().item()
+        print(summary(f"{method} ({quantize.method_of(model)})", want, got, ratio), flush=True)
+        del model
+    if args.llama_cpp:
+        gguf = modeling.gguf_file(args.target)
+        if gguf is None:
+            raise SystemExit("--llama-cpp needs a GGUF target")
+        got = llama_cpp_answers(args.llama_cpp, gguf, prompts, args.max_new_tokens, args.threads)
+        print(summary("llama.cpp (llama-server)", want, got, None), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""A GGUF model's weights as the file ships them: `--quantize gguf`.
+
+The model is built the usual way (transformers de-quantizes the file once into a model
+directory, `specdec.modeling`); then every linear layer and the embedding whose GGUF
+tensor is in a block type we multiply (Q4_0, Q4_1, Q8_0) give up their float32 weight
+for the file's blocks, and run through `specdec/kernels/gguf_cpu.cpp`: float32
+activations times the blocks de-quantized in registers. Nothing is re-quantized: the
+weights are the published model's to the bit (checked here, block by block, against
+what transformers de-quantized), at the blocks' bytes (Q4_1: 5 bits a weight, against
+8 for our int8 and 32 for float32). Only the order of float sums differs from the
+float32 model.
+
+llama.cpp's converter stores the q and k projections of Llama-style models with their
+rows permuted (its rotary layout); the rows are put back here, whole blocks at a time."""
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids
+TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+def _kernels():
+    from specdec.kernels import gguf_cpu
+
+    return gguf_cpu()
+
+
+class GGUFLinear(torch.nn.Module):
+    """y = x Wᵀ (+ b) with W as GGUF blocks: [out_features, in_features / 32 blocks]."""
+
+    def __init__(self, blocks: torch.Tensor, kind: int, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("blocks", blocks.contiguous())  # [out, bytes] uint8
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
+        self._matmul = _kernels().matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features).float(), self.blocks, self.kind)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{TYPES[self.kind]}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """An embedding whose rows are GGUF blocks, de-quantized as they are looked up."""
+
+    def __init__(self, blocks: torch.Tensor, kind: int, dim: int):
+        super().__init__()
+        self.register_buffer("blocks", blocks.contiguous())
+        self.kind, self.embedding_dim, self.num_embeddings = kind, dim, blocks.shape[0]
+        self._dequantize = _kernels().dequantize
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._dequantize(self.blocks, self.kind, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+
+
+def fuse(linears: list[GGUFLinear]) -> GGUFLinear | None:
+    """Layers that read the same input as one: their block rows stacked (one kernel call)."""
+    if not all(isinstance(m, GGUFLinear) for m in linears) or len({m.kind for m in linears}) > 1 \
+            or any(m.bias is not None for m in linears):
+        return None
+    return GGUFLinear(torch.cat([m.blocks for m in linears]), linears[0].kind, linears[0].in_features)
+
+
+def _rotary_permutation(rows: int, heads: int) -> torch.Tensor:
+    """Where llama.cpp's converter put each row of a q or k projection: row j of the
+    file is row order[j] of the model."""
+    return torch.arange(rows).reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)
+
+
+def _tensors(path: Path) -> tuple[str, dict]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    field = reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode()
+    return arch, {t.name: t for t in reader.tensors}
+
+
+def _blocks_of(weight: torch.Tensor, tensor, config, name: str) -> torch.Tensor | None:
+    """The file's blocks for `weight` [out, in], rows in the model's order; None when the
+    tensor is in another type or does not hold these weights exactly."""
+    kind = int(tensor.tensor_type)
+    if kind not in TYPES or tuple(tensor.data.shape)[0] != weight.shape[0] or weight.shape[1] % 32:
+        return None
+    blocks = torch.from_numpy(np.array(tensor.data))  # a copy: the file's map is read-only
+    held = _kernels().dequantize(blocks, kind, torch.arange(blocks.shape[0]))
+    heads = {config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+    candidates = [None] + [_rotary_permutation(weight.shape[0], h) for h in sorted(heads)
+                           if weight.shape[0] % (2 * h) == 0]
+    for order in candidates:
+        if order is None and torch.equal(held, weight):
+            return blocks
+        if order is not None and torch.equal(held[order.argsort()], weight):
+            return blocks[order.argsort()].contiguous()
+    log.warning("%s: the GGUF tensor %s does not hold the model's weights; it stays float32", name, tensor.name)
+    return None
+
+
+def available() -> bool:
+    """Do the kernels build and load here (a C++ compiler is needed the first time)?"""
+    try:
+        _kernels()
+        return True
+    except Exception as err:  # no compiler, no writable directory: the caller picks other numerics
+        log.warning("the GGUF kernels are not available here (%s)", str(err).splitlines()[0] if str(err) else err)
+        return False
+
+
+def supported(path: str | None) -> bool:
+    """Does the file hold its linear layers in block types we multiply, and do the
+    kernels run here?"""
+    if not path:
+        return False
+    _, tensors = _tensors(Path(path))
+    kinds = {int(t.tensor_type) for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2}
+    return bool(kinds) and kinds <= set(TYPES) and available()
+
+
+def load_blocks(model, path: str) -> int:
+    """Replaces the model's linear layers and embedding by the GGUF file's blocks where
+    they hold exactly its weights; -> how many were replaced."""
+    import gguf
+
+    arch, tensors = _tensors(Path(path))
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     model.config.num_hidden_layers)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    replaced, made = 0, {}  # made: the blocks of each file tensor (a tied head shares the embedding's)
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            is_head = child is head
+            if not (isinstance(child, (torch.nn.Linear, torch.nn.Embedding)) or is_head):
+                continue
+            full = next(n for n, m in model.named_modules() if m is child)
+            file_name = names.get_name(full + ".weight", try_suffixes=(".weight",))
+            if is_head and (tied or file_name not in tensors):
+                file_name = names.get_name(next(n for n, m in model.named_modules() if m is embedding) + ".weight",
+                                           try_suffixes=(".weight",))
+            if file_name not in tensors:
+                continue
+            weight = child.weight.detach().float()
+            if file_name not in made:
+                made[file_name] = _blocks_of(weight, tensors[file_name], model.config, full)
+            blocks = made[file_name]
+            if blocks is None:
+                continue
+            kind = int(tensors[file_name].tensor_type)
+            if isinstance(child, torch.nn.Embedding):
+                module = GGUFEmbedding(blocks, kind, weight.shape[1])
+            else:
+                module = GGUFLinear(blocks, kind, weight.shape[1], getattr(child, "bias", None))
+            setattr(parent, child_name, module)
+            replaced += 1
+    return replaced

@@ -1,0 +1,55 @@
+"""Compiled kernels, built once per machine on first use (a C++ compiler is needed; about
+a minute) and kept in the cache directory."""
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+_HERE = Path(__file__).parent
+
+
+@functools.cache
+def gguf_cpu():
+    """The GGUF block products (gguf_cpu.cpp): `matmul(x, blocks, type)` and
+    `dequantize(blocks, type, ids)`."""
+    from torch.utils import cpp_extension
+
+    from specdec.modeling import cache_root
+
+    source = _HERE / "gguf_cpu.cpp"
+    # -march=native: built on the machine that runs it; the key keeps builds for other
+    # CPUs, torch versions and sources apart (a shared cache, a baked image).
+    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + platform.machine().encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    build = cache_root() / "kernels" / f"gguf_cpu-{key}"
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        writable = os.access(build, os.W_OK) or (build / "specdec_gguf_cpu.so").exists()
+    except OSError:
+        writable = False
+    if not writable:  # a read-only cache (a baked image) built for another CPU: build beside it
+        build = Path(tempfile.gettempdir()) / "specdec-kernels" / f"gguf_cpu-{key}"
+        build.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    module = cpp_extension.load(name="specdec_gguf_cpu", sources=[str(source)], build_directory=str(build),
+                                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], verbose=False)
+    log.info("GGUF kernels ready in %.1f s (%s)", time.monotonic() - started, build)
+    return module
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().version

@@ -1,0 +1,132 @@
+"""A GGUF model on its own blocks (`--quantize gguf`): the kernels de-quantize exactly
+what gguf's reference code does, a row's result does not depend on the rows beside it,
+and the default target on its blocks is the published float32 model but for the order
+of float sums, and exact through the engine against its own `generate`."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from specdec import ggml, modeling, quantize
+from specdec.engine import Engine
+
+KINDS = [ggml.Q4_0, ggml.Q4_1, ggml.Q8_0]
+
+
+def random_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Well-formed blocks with random scales, minimums and quants."""
+    draw = np.random.default_rng(seed)
+    n = rows * cols // 32
+    d = (draw.random(n) * 0.02 + 1e-3).astype(np.float16).view(np.uint8).reshape(n, 2)
+    if kind == ggml.Q8_0:
+        q = draw.integers(-128, 128, (n, 32), dtype=np.int8).view(np.uint8)
+        parts = [d, q]
+    else:
+        q = draw.integers(0, 256, (n, 16), dtype=np.uint8)
+        parts = [d, q]
+        if kind == ggml.Q4_1:
+            m = (-draw.random(n) * 0.1).astype(np.float16).view(np.uint8).reshape(n, 2)
+            parts = [d, m, q]
+    return torch.from_numpy(np.concatenate(parts, axis=1).reshape(rows, -1).copy())
+
+
+def reference_dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(kind)).copy()).float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_dequantize_as_ggufs_reference_code(kind):
+    blocks = random_blocks(kind, 24, 96)
+    kernels = ggml._kernels()
+    assert torch.equal(kernels.dequantize(blocks, kind, torch.arange(24)), reference_dequantize(blocks, kind))
+    ids = torch.tensor([[3, 0], [23, 3]])
+    embedding = ggml.GGUFEmbedding(blocks, kind, 96)
+    assert torch.equal(embedding(ids), reference_dequantize(blocks, kind)[ids])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_gives_the_same_result_alone_or_among_others(kind):
+    # Every width a pass can have, an odd number of output rows (the threads split them).
+    layer = ggml.GGUFLinear(random_blocks(kind, 77, 160, seed=kind), kind, 160)
+    torch.manual_seed(0)
+    rows = torch.randn(9, 160) * torch.tensor([0.01, 1, 100, 1, 5, 0.1, 30, 2, 7])[:, None]
+    alone = [layer(rows[i:i + 1]) for i in range(9)]
+    for width in range(1, 10):
+        together = layer(rows[:width][None])[0]
+        for i in range(width):
+            assert torch.equal(together[i:i + 1], alone[i]), (width, i)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(layer(rows), torch.cat(alone))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_product_is_the_float_product_of_the_published_weights(kind):
+    blocks = random_blocks(kind, 64, 128, seed=10 + kind)
+    x = torch.randn(5, 128)
+    want = x.double() @ reference_dequantize(blocks, kind).double().T
+    got = ggml.GGUFLinear(blocks, kind, 128)(x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_layers_take_their_own_columns():
+    parts = [ggml.GGUFLinear(random_blocks(ggml.Q4_1, n, 64, seed=n), ggml.Q4_1, 64) for n in (32, 8, 8)]
+    fused = ggml.fuse(parts)
+    x = torch.randn(3, 64)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
+    assert ggml.fuse([parts[0], ggml.GGUFLinear(random_blocks(ggml.Q8_0, 8, 64), ggml.Q8_0, 64)]) is None
+
+
+@pytest.fixture(scope="module")
+def default_target():
+    """(the default target on its GGUF blocks, the same model in float32, tokenizer)"""
+    model, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
+    reference, _ = modeling.load_model(modeling.DEFAULT_TARGET)
+    return quantize.quantize(model, "auto"), reference, tokenizer
+
+
+def test_the_default_target_runs_on_its_own_blocks(default_target):
+    model, reference, tokenizer = default_target
+    assert quantize.method_of(model) == "gguf"
+    kept = [m for m in model.modules() if isinstance(m, (ggml.GGUFLinear, ggml.GGUFEmbedding))]
+    # 30 layers of fused q/k/v, o, fused gate/up and down; the embedding; the head (tied to it)
+    assert len(kept) == 30 * 4 + 2
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    ids = tokenizer("The history of the printing press begins in the fifteenth century, when")["input_ids"]
+    with torch.no_grad():
+        got = model(torch.tensor([ids])).logits[0]
+        want = reference(torch.tensor([ids])).logits[0]
+    # The published float32 model, but for the order of float sums
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_default_target_rounds_equal_its_generate(default_target):
+    """Rounds of 4 verified tokens through the engine give its own `generate`'s greedy
+    tokens, token for token."""
+    model, _, tokenizer = default_target
+    with torch.no_grad():
+        wants = {}
+        for text in ["The history of the printing press begins in the fifteenth century, when",
+                     "Photosynthesis is the process by which plants"]:
+            ids = tokenizer(text)["input_ids"]
+            wants[text] = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
+                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0].tolist()
+    engine = Engine(model, 64 << 20)
+    try:
+        for text, want in wants.items():
+            ids = tokenizer(text)["input_ids"]
+            seq = engine.new_sequence()
+            seq.sync(0, ids)
+            got = engine.forward_now(seq, 1)[0].argmax(-1).tolist()
+            for pos in range(len(ids), len(want) - 4, 4):  # the target's own tokens as drafts
+                seq.sync(pos, want[pos:pos + 4])
+                got += engine.forward_now(seq, 4)[0].argmax(-1).tolist()
+            engine.release(seq)
+            assert got == want[len(ids):len(ids) + len(got)], text
+    finally:
+        engine.stop()
