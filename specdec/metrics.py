@@ -57,6 +57,8 @@ class EngineMetrics(Metrics):
         self.tokens = of(self.histogram, "batch_tokens", "tokens computed by one forward pass", TOKEN_BUCKETS)
         self.evictions = of(self.counter, "kv_evictions", "sessions that gave their KV blocks back to an older "
                                                           "session (they recompute later)")
+        self.prefix_tokens = of(self.counter, "kv_prefix_cached_tokens", "prompt tokens admitted with their keys "
+                                "and values already in the pool (prefix caching): not computed again")
         self.failed_passes = of(self.counter, "failed_passes", "forward passes that raised (their sessions resync)")
         self.sessions = of(self.gauge, "open_sessions", "sessions this service holds")
         self.queue = of(self.gauge, "queue_length", "calls waiting for a forward pass")

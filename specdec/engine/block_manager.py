@@ -4,11 +4,22 @@ Every session keeps its keys and values in one pool (`KVPool`), in blocks of
 `block_size` positions. A session is admitted when the pool has blocks for all its
 tokens; a running session that must grow takes blocks back from the newest admitted
 session outside the pass, which keeps its tokens and recomputes its cache when its turn
-comes (preemption by recompute)."""
+comes (preemption by recompute).
+
+Prefix caching (as vLLM's automatic prefix caching and nano-vllm's block manager do): a
+full block whose keys and values are computed is known by a hash of its tokens and of
+every token before it. A session admitted with a prompt whose first blocks hash the same
+(a shared system prompt; the earlier turns of a chat) takes those blocks as they are and
+computes only the rest. Blocks are counted by reference; a block nobody holds keeps its
+contents, and is handed out again (oldest first) only when no free block is left. A
+shared block is never written: a session that rolls back into one lets it go and
+computes those positions into a block of its own. The kernels are batch invariant, so
+a block's keys and values are the same bits whoever computed them, in whatever pass."""
 
 import itertools
 import logging
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -38,59 +49,105 @@ class KVPool:
         self.v = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         for t in (*self.k, *self.v):
             t[0].zero_()
-        self.capacity = num_blocks - 1  # blocks a session can get
-        self.free = list(range(num_blocks - 1, 0, -1))
+        self.capacity = num_blocks - 1  # blocks a session can get: 1 .. num_blocks - 1
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
-
-    def allocate(self, n: int) -> list[int]:
-        assert n <= len(self.free)
-        taken, self.free = self.free[len(self.free) - n:], self.free[:len(self.free) - n]
-        return taken
-
-    def release(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
 
 
 class BlockManager:
     """Hands the pool's blocks to sessions and takes them back. Not thread-safe: the
     engine calls it under its lock."""
 
-    def __init__(self, pool: KVPool, metrics=None):
+    def __init__(self, pool: KVPool, metrics=None, prefix_caching: bool = True):
         self.pool = pool
+        self.free = list(range(pool.capacity, 0, -1))  # blocks with nothing worth keeping
+        self.refs: dict[int, int] = {}  # block -> sessions holding it
+        self.cached: dict[int, int] = {}  # prefix hash -> the block holding its keys and values
+        self.hash_of: dict[int, int] = {}  # the other way
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
+        self.prefix_caching = prefix_caching
         self.holders: set[PagedSequence] = set()  # sessions holding blocks
         self.admissions = itertools.count(1)
         self.evictions = 0
+        self.reused_tokens = 0  # prompt tokens admitted with their keys and values already computed
         self.metrics = metrics
 
     @property
+    def available(self) -> int:
+        """Blocks that can be handed out now."""
+        return len(self.free) + len(self.idle)
+
+    @property
     def used(self) -> int:
-        return self.pool.capacity - len(self.pool.free)
+        """Blocks sessions hold."""
+        return self.pool.capacity - self.available
 
     def fits(self, seq: PagedSequence) -> bool:
         """Could the whole pool hold seq?"""
         return self.pool.blocks_for(len(seq.tokens)) <= self.pool.capacity
 
-    def admit(self, seq: PagedSequence) -> bool:
-        """Blocks for all of seq's tokens, if the pool has them free."""
-        need = self.pool.blocks_for(len(seq.tokens))
-        if need > len(self.pool.free):
+    def _hashes(self, tokens: list[int], start: list[int]) -> list[int]:
+        """The prefix hashes of tokens' full blocks, after `start` (the hashes held)."""
+        bs, out = self.pool.block_size, list(start)
+        for i in range(len(start), len(tokens) // bs):
+            out.append(hash((out[-1] if out else None, tuple(tokens[i * bs:(i + 1) * bs]))))
+        return out
+
+    def _take(self, n: int) -> list[int]:
+        assert n <= self.available
+        taken = []
+        while len(taken) < n:
+            if self.free:
+                block = self.free.pop()
+            else:  # the oldest cached block nobody holds
+                block, _ = self.idle.popitem(last=False)
+                del self.cached[self.hash_of.pop(block)]
+            self.refs[block] = 1
+            taken.append(block)
+        return taken
+
+    def _drop(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                del self.refs[block]
+                if block in self.hash_of:
+                    self.idle[block] = None
+                else:
+                    self.free.append(block)
+
+    def admit(self, seq: PagedSequence, limit: int) -> bool:
+        """Blocks for all of seq's tokens, if the pool has them; the cached blocks of its
+        longest known prefix of at most `limit` tokens come as they are."""
+        hashes = self._hashes(seq.tokens[:limit], []) if self.prefix_caching else []
+        shared = []
+        for h in hashes:
+            if h not in self.cached:
+                break
+            shared.append(self.cached[h])
+        need = self.pool.blocks_for(len(seq.tokens)) - len(shared)
+        if need > self.available - sum(block in self.idle for block in shared):
             return False
-        seq.blocks = self.pool.allocate(need)
+        for block in shared:
+            self.idle.pop(block, None)
+            self.refs[block] = self.refs.get(block, 0) + 1
+        seq.blocks = shared + self._take(need)
+        seq.hashes = hashes[:len(shared)]
+        seq.cached = len(shared) * self.pool.block_size
         seq.admitted = next(self.admissions)
         self.holders.add(seq)
+        self.reused_tokens += seq.cached
+        if self.metrics is not None and seq.cached:
+            self.metrics.prefix_tokens.inc(seq.cached)
         return True
 
     def reserve(self, seq: PagedSequence, n: int, in_pass: set) -> bool:
-        """Blocks for seq's next n positions: a new session is admitted only with blocks
-        for all its tokens; a running one may take blocks back from newer sessions
-        (outside `in_pass`)."""
+        """Blocks for the next n positions of an admitted session: it may take blocks
+        back from newer sessions (outside `in_pass`)."""
         pool = self.pool
-        if not seq.admitted:
-            return self.admit(seq)
         need = pool.blocks_for(seq.cached + n) - len(seq.blocks)
-        while need > len(pool.free):
+        while need > self.available:
             newer = [s for s in self.holders if s.admitted > seq.admitted and s not in in_pass]
             if not newer:
                 return False
@@ -102,21 +159,42 @@ class BlockManager:
                 self.metrics.evictions.inc()
             self.evict(victim)
         if need > 0:
-            seq.blocks.extend(pool.allocate(need))
+            seq.blocks.extend(self._take(need))
         return True
 
+    def computed(self, seq: PagedSequence) -> None:
+        """seq's cache grew: its new full blocks become known by their prefix hashes."""
+        if not self.prefix_caching:
+            return
+        full = seq.cached // self.pool.block_size
+        if full <= len(seq.hashes):
+            return
+        known = len(seq.hashes)
+        seq.hashes = self._hashes(seq.tokens[:full * self.pool.block_size], seq.hashes)
+        for block, h in zip(seq.blocks[known:full], seq.hashes[known:]):
+            if block not in self.hash_of and h not in self.cached:  # else another block holds the same
+                self.cached[h], self.hash_of[block] = block, h
+
     def crop(self, seq: PagedSequence) -> bool:
-        """Gives back the blocks seq no longer needs (past its cache and its tokens);
-        -> whether any went back."""
+        """seq's cache was cut back to seq.cached: gives back the blocks it no longer
+        needs, and the cached blocks it would write into; -> whether any went back."""
+        bs = self.pool.block_size
+        del seq.hashes[seq.cached // bs:]
         keep = self.pool.blocks_for(max(seq.cached, len(seq.tokens)))
+        # The blocks it writes next must be its own: a cached one (maybe shared) goes back.
+        first = seq.cached // bs
+        cached = [i for i in range(first, min(keep, len(seq.blocks))) if seq.blocks[i] in self.hash_of]
+        if cached:
+            keep = cached[0]
+            seq.cached = min(seq.cached, keep * bs)
         if not seq.admitted or len(seq.blocks) <= keep:
             return False
-        self.pool.release(seq.blocks[keep:])
+        self._drop(seq.blocks[keep:])
         del seq.blocks[keep:]
         return True
 
     def evict(self, seq: PagedSequence) -> None:
         """All of seq's blocks go back; its cache is recomputed from its tokens."""
-        self.pool.release(seq.blocks)
-        seq.blocks, seq.cached, seq.admitted = [], 0, 0
+        self._drop(seq.blocks)
+        seq.blocks, seq.hashes, seq.cached, seq.admitted = [], [], 0, 0
         self.holders.discard(seq)

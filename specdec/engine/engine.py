@@ -58,13 +58,13 @@ class Engine:
 
     def __init__(self, model, kv_cache_bytes: int, max_batch_rows: int = 64, max_batch_tokens: int = 256,
                  max_waiting: int = 64, block_size: int = 16, gather: float = 0.25, threads: int = 0,
-                 metrics=None):
+                 metrics=None, prefix_caching: bool = True):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be >= 1")
         check_supported(model)
         self.model = model
         self.pool = KVPool(model.config, kv_cache_bytes, model.dtype, model.device, block_size)
-        self.blocks = BlockManager(self.pool, metrics)
+        self.blocks = BlockManager(self.pool, metrics, prefix_caching)
         self.cond = threading.Condition()
         self.scheduler = Scheduler(self.blocks, self.cond, max_batch_rows, max_batch_tokens, gather)
         self.runner = ModelRunner(model, self.pool, self.scheduler.short)
@@ -114,9 +114,11 @@ class Engine:
                                  f"{self.pool.capacity * self.pool.block_size}")
             if not seq.admitted:
                 waiting = self.scheduler.waiting()
-                if not (waiting == 0 and self.blocks.admit(seq)) and waiting >= self.max_waiting:
+                if not (waiting == 0 and self.blocks.admit(seq, len(seq.tokens) - last)) \
+                        and waiting >= self.max_waiting:
                     raise Overloaded(f"{waiting} sessions are waiting for KV memory")
             seq.cached = min(seq.cached, len(seq.tokens) - last)  # logits come from computing those positions
+            self.blocks.crop(seq)  # never into a cached block
             work = self.scheduler.add(seq, last, again, then)
             self.cond.notify()
         return work
@@ -277,6 +279,7 @@ class Engine:
                 self._finish(work)
             else:
                 seq.cached = row.start + row.n
+                self.blocks.computed(seq)
                 work.parts.append(logits[kept:kept + row.wanted])
                 if work.cancelled:
                     self._finish(work)

@@ -103,6 +103,8 @@ class Scheduler:
             seq = work.seq
             if len(batch) == self.max_batch_rows or seq in in_pass:
                 continue
+            if not seq.admitted and not self.blocks.admit(seq, len(seq.tokens) - work.last):
+                continue  # it waits for memory
             n = work.remaining
             if n > self.short:  # a prefill: a chunk of what is left; the first one at least a short row's worth
                 prefilling = any(row.n > self.short for row in batch)

@@ -42,13 +42,14 @@ class TokenSequence:
 
 class PagedSequence(TokenSequence):
     """A TokenSequence whose first `cached` tokens have keys and values in the engine's
-    pool, in `blocks`. The engine owns `blocks`, `cached` and `admitted`; a sync changes
+    pool, in `blocks`. The engine owns `blocks`, `hashes`, `cached` and `admitted`; a sync changes
     them through the engine (under its lock), never while a forward holds the session."""
 
     def __init__(self, engine):
         super().__init__()
         self.engine = engine
         self.blocks: list[int] = []
+        self.hashes: list[int] = []  # prefix hashes of its first full blocks (see block_manager)
         self.cached = 0
         self.admitted = 0  # admission order while it holds blocks; 0: holds none
         self.released = False

@@ -156,7 +156,7 @@ def test_memory_admission_waits_and_preempts_by_recompute(models):
     eng.forward_now(old, 1)
     new.sync(0, tokens(60, 2))               # 4 blocks: the pool is full
     eng.forward_now(new, 1)
-    assert not eng.pool.free
+    assert not eng.blocks.available
     # The older session grows: the newer one gives its blocks back.
     old.extend(tokens(10, 3))
     close(eng.forward_now(old, 1)[0], fresh(models, old.tokens, 1))
@@ -175,7 +175,7 @@ def test_memory_admission_waits_and_preempts_by_recompute(models):
     with pytest.raises(Overloaded, match="KV pool holds"):
         eng.submit(huge, 1)
     eng.release(new)
-    assert len(eng.pool.free) == eng.pool.capacity
+    assert eng.blocks.available == eng.pool.capacity
 
 
 def test_cancel_leaves_the_session_consistent(models):
@@ -226,7 +226,7 @@ def test_every_block_comes_back(models):
         works[0].future.result()
     for seq in seqs[1:]:
         eng.release(seq)
-    assert len(eng.pool.free) == eng.pool.capacity and not eng.blocks.holders and not eng.queue
+    assert eng.blocks.available == eng.pool.capacity and not eng.blocks.holders and not eng.queue
 
 
 def test_sessions_closed_during_a_pass_do_not_fill_the_waiting_queue(models, monkeypatch):
@@ -283,7 +283,7 @@ def test_a_session_closed_during_a_pass_keeps_its_blocks_until_the_pass_ends(mod
     assert entered.wait(10)
     held = list(closing.blocks)
     eng.release(closing)
-    assert closing.blocks == held and not set(held) & set(eng.pool.free)
+    assert closing.blocks == held and not set(held) & (set(eng.blocks.free) | set(eng.blocks.idle))
     newcomer = eng.new_sequence()
     newcomer.sync(0, tokens(50, 23))
     late = eng.submit(newcomer, 1)
@@ -296,7 +296,7 @@ def test_a_session_closed_during_a_pass_keeps_its_blocks_until_the_pass_ends(mod
     assert not closing.blocks
     for seq in (staying, newcomer):
         eng.release(seq)
-    assert len(eng.pool.free) == eng.pool.capacity
+    assert eng.blocks.available == eng.pool.capacity
 
 
 def greedy_reference(models, prompt, n):
@@ -339,7 +339,7 @@ def test_decode_runs_the_target_alone_beside_other_rows(models):
     assert max(rows_seen) == 2  # it shared passes with the other session
     eng.release(seq)
     eng.release(other)
-    assert len(eng.pool.free) == eng.pool.capacity and not eng.queue
+    assert eng.blocks.available == eng.pool.capacity and not eng.queue
 
 
 def test_decode_stopped_early_leaves_the_session_consistent(models):
@@ -438,7 +438,7 @@ def test_a_decode_whose_reader_left_abandons_its_pass_at_the_next_layer(models):
             reached.set()
             gate.wait(10)
 
-    hook = models[0].model.layers[1].register_forward_pre_hook(hold)
+    hook = models[0].model.layers[1].input_layernorm.register_forward_pre_hook(hold)
 
     async def go():
         steps = seq.decode(pick)
@@ -474,7 +474,7 @@ engine.one_thread_outside_engines()
 model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2)).eval()
 in_pass = []
-model.register_forward_hook(lambda *_: in_pass.append(torch.get_num_threads()))
+model.model.norm.register_forward_hook(lambda *_: in_pass.append(torch.get_num_threads()))
 eng = engine.Engine(model, 1 << 20, threads=2)
 seq = eng.new_sequence()
 seq.sync(0, [1, 2, 3])
@@ -494,3 +494,46 @@ def test_only_the_engines_thread_runs_a_pass_on_several_cores():
     done = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2", "1", "1"]
+
+
+def test_a_session_with_a_known_prefix_computes_only_the_rest(models):
+    """Prefix caching: the full blocks of a prompt that another session computed (a
+    system prompt; a chat's earlier turns) are taken as they are, and never written."""
+    eng = engine(models)  # blocks of 16 tokens
+    first, second = eng.new_sequence(), eng.new_sequence()
+    prefix = tokens(36, 40)
+    first.sync(0, prefix + tokens(4, 41))
+    eng.forward_now(first, 1)
+    second.sync(0, prefix + tokens(10, 42))
+    logits, done = eng.forward_now(second, 2)
+    close(logits, fresh(models, second.tokens, 2))
+    assert second.blocks[:2] == first.blocks[:2]  # 32 tokens shared: two full blocks
+    assert done.tokens == len(second.tokens) - 32 and eng.blocks.reused_tokens == 32
+    # The first rolls back into a shared block: it computes those positions into its own.
+    shared = second.blocks[1]
+    first.sync(20, tokens(8, 43))
+    close(eng.forward_now(first, 3)[0], fresh(models, first.tokens, 3))
+    assert first.blocks[1] != shared and second.blocks[1] == shared
+    second.extend(tokens(3, 44))
+    close(eng.forward_now(second, 4)[0], fresh(models, second.tokens, 4))
+    # Released, the blocks keep what they hold until the memory is needed: a later
+    # session with the same prefix still finds them.
+    eng.release(first)
+    eng.release(second)
+    assert eng.blocks.available == eng.pool.capacity
+    third = eng.new_sequence()
+    third.sync(0, prefix + tokens(5, 45))
+    logits, done = eng.forward_now(third, 1)
+    close(logits, fresh(models, third.tokens, 1))
+    assert done.tokens == len(third.tokens) - 32
+
+
+def test_without_prefix_caching_every_session_computes_its_prompt(models):
+    eng = engine(models, prefix_caching=False)
+    prefix = tokens(40, 50)
+    for seed in (51, 52):
+        seq = eng.new_sequence()
+        seq.sync(0, prefix + tokens(3, seed))
+        _, done = eng.forward_now(seq, 1)
+        assert done.tokens == len(seq.tokens)
+    assert eng.blocks.reused_tokens == 0
