@@ -4,7 +4,9 @@
    token, each row with a ~120-token cache (same process, median of 7 passes each).
 2. Batch invariance: each of 8 rows run alone and together; how far their logits move
    and whether any argmax flips.
-3. With --stall: a 4000-token prompt arriving while 4 streams run through `specdec up`,
+3. Prefix caching: a chat's second turn (the first turn's prompt and answer, then a new
+   question) against the same prompt sent cold: the time to its first token.
+4. With --stall: a 4000-token prompt arriving while 4 streams run through `specdec up`,
    with chunked prefill (256-token passes) and in one pass: how long the running
    streams stall."""
 
@@ -68,6 +70,39 @@ def invariance(eng: Engine, seqs, trials: int = 5) -> str:
     rows = trials * len(seqs)
     return (f"batch invariance: {differ} of {rows} rows differ at all between alone and {len(seqs)}-row passes; "
             f"max |logit difference| {worst:.2e}; argmax flips {flips} of {rows * 4} positions")
+
+
+def second_turn(eng: Engine, tokenizer) -> str:
+    def chat(messages):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    def first_token(ids) -> float:
+        seq = eng.new_sequence()
+        seq.sync(0, ids)
+        started = time.perf_counter()
+        logits, _ = eng.forward_now(seq, 1)
+        took = time.perf_counter() - started
+        eng.release(seq)
+        return took
+
+    system = {"role": "system", "content": "You are a careful assistant. " + "Answer in plain words, cite what "
+              "you rely on, and say when you do not know. " * 20}
+    turn1 = [system, {"role": "user", "content": "Tell me about the history of the printing press."}]
+    seq = eng.new_sequence()
+    seq.sync(0, chat(turn1))
+    answer = []
+    for _ in range(32):  # the first turn's answer, greedy
+        answer.append(int(eng.forward_now(seq, 1)[0][-1].argmax()))
+        seq.extend(answer[-1:])
+    eng.release(seq)
+    turn2 = chat(turn1 + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                          {"role": "user", "content": "And what changed after Gutenberg?"}])
+    warm = first_token(turn2)  # once: a repeat would find this very prompt's blocks
+    eng.blocks.prefix_caching = False
+    cold = statistics.median(first_token(turn2) for _ in range(3))
+    eng.blocks.prefix_caching = True
+    return (f"prefix caching: a chat's second turn ({len(turn2)} tokens) to its first token in {warm * 1e3:.0f} ms, "
+            f"the same prompt cold {cold * 1e3:.0f} ms ({warm / cold:.2f}x)")
 
 
 async def _stream(stub, ids, n, gaps):
@@ -149,6 +184,7 @@ def main() -> None:
     for line in pass_costs(eng, seqs, [(1, 3), (1, 5), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]):
         print(line, flush=True)
     print(invariance(eng, seqs), flush=True)
+    print(second_turn(eng, modeling.load_tokenizer(args.target)), flush=True)
     eng.stop()
     if args.stall:
         for line in stall(args.target, args.draft):

@@ -84,10 +84,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
-    """LlamaForCausalLM's forward: its modules, and its operations in its order (the
-    same logits to the bit), without the plumbing around them (output capture, masks,
-    cache, attention dispatch): on a CPU, a one-token step of the default target spent
-    more time in that than in its arithmetic."""
+    """LlamaForCausalLM's forward: its modules, and its operations on each element in its
+    order (the same logits to the bit), without the plumbing around them (output
+    capture, masks, cache, attention dispatch): on a CPU, a one-token step of the default
+    target spent more time in that than in its arithmetic. Where q, k and v (gate and
+    up) are one product (specdec.quantize), it is taken once, and q and k turn in one
+    rotary operation."""
     inner = model.model
     h = inner.embed_tokens(ids)  # [1, T, hidden]
     cos, sin = inner.rotary_emb(h, positions)
@@ -96,12 +98,29 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         shape = (*x.shape[:-1], -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
-        k = attn.k_proj(x).view(shape).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        q = (q * cos) + (_rotate_half(q) * sin)
-        k = (k * cos) + (_rotate_half(k) * sin)
+        shared = getattr(attn, "shared_q_k_v", None)
+        if shared is not None:
+            qkv = shared.linear(x)
+            (_, q_end), (_, k_end), _ = shared.columns
+            qk = qkv[..., :k_end].view(shape).transpose(1, 2)  # [1, heads + kv_heads, T, head_dim]
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            q, k = qk[:, :q_end // attn.head_dim], qk[:, q_end // attn.head_dim:]
+            v = qkv[..., k_end:].view(shape).transpose(1, 2)
+        else:
+            q = attn.q_proj(x).view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
+            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
         o, _ = paged_attention(attn, q, k, v, None, scaling=attn.scaling, specdec_plan=plan)
         h = h + attn.o_proj(o.reshape(*x.shape[:-1], -1).contiguous())
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        x = layer.post_attention_layernorm(h)
+        mlp = layer.mlp
+        shared = getattr(mlp, "shared_gate_up", None)
+        if shared is not None:
+            gate_up = shared.linear(x)
+            (_, gate_end), _ = shared.columns
+            h = h + mlp.down_proj(mlp.act_fn(gate_up[..., :gate_end]) * gate_up[..., gate_end:])
+        else:
+            h = h + mlp(x)
     return model.lm_head(inner.norm(h)[:, keep])

@@ -156,7 +156,8 @@ def test_dockerfile_installs_what_the_manifests_run():
 
 @pytest.fixture(scope="module")
 def default_target():
-    """The target alone with the numerics the manifests give the verifier (auto: int8 on a CPU)."""
+    """The target alone with the numerics the manifests give the verifier (auto: on a CPU,
+    the default target's own GGUF blocks)."""
     model, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
     docs = render("cpu")
     env = environment(container(by_kind(docs, "Deployment")["specdec-verifier"]), docs)

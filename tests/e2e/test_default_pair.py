@@ -1,6 +1,7 @@
 """`specdec up` on the embedded default target (SmolLM2-135M-Instruct from its GGUF),
 a streamed chat Generate through it, and `specdec generate` from the command line:
-greedy output identical to the target alone with the same numerics (int8 on a CPU)."""
+greedy output identical to the target alone with the same numerics (on a CPU, the GGUF's
+own blocks: --quantize auto)."""
 
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 
 from cluster import chat_ids, generate, pb, reference
 from specdec import modeling
+from specdec import quantize as quantize_module
 from specdec.quantize import quantize
 from deploy.launch import free_port, health_status
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
@@ -44,9 +46,11 @@ def up():
 
 @pytest.fixture(scope="module")
 def target():
-    """The target as `specdec up` runs it on a CPU: int8 (--quantize auto)."""
+    """The target as `specdec up` runs it on a CPU: its GGUF's blocks (--quantize auto)."""
     model, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
-    return quantize(model, "int8"), tokenizer
+    model = quantize(model, "auto")
+    assert quantize_module.method_of(model) == "gguf"
+    return model, tokenizer
 
 
 @pytest.mark.parametrize("question", QUESTIONS)

@@ -537,3 +537,29 @@ def test_without_prefix_caching_every_session_computes_its_prompt(models):
         _, done = eng.forward_now(seq, 1)
         assert done.tokens == len(seq.tokens)
     assert eng.blocks.reused_tokens == 0
+
+
+@pytest.mark.parametrize("numerics", ["none", "int8"])
+def test_llama_models_skip_transformers_plumbing_to_the_same_bits(models, numerics):
+    """The engine's own pass of a Llama model (its modules, without transformers'
+    plumbing; q, k and v as one product when quantized) against transformers' forward of
+    the same pass: the same logits, bit for bit, for rows of several lengths."""
+    from specdec.engine import model_runner
+    from specdec.quantize import quantize
+
+    model = quantize(copy.deepcopy(models[0]), numerics)
+    eng = engine((model, None))
+    assert eng.runner.forward is model_runner._llama_forward
+    seqs = [eng.new_sequence() for _ in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.sync(0, tokens(9 + 7 * i, 60 + i))
+    outputs = []
+    for forward in (model_runner._llama_forward, model_runner._transformers_forward):
+        eng.runner.forward = forward
+        for seq in seqs:
+            eng.crop(seq, 0)
+        with eng.cond:
+            works = [eng.submit(seq, 3) for seq in seqs]
+        outputs.append([work.future.result()[0] for work in works])
+    for ours, theirs in zip(*outputs):
+        assert torch.equal(ours, theirs)
