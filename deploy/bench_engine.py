@@ -6,7 +6,9 @@
    and whether any argmax flips.
 3. Prefix caching: a chat's second turn (the first turn's prompt and answer, then a new
    question) against the same prompt sent cold: the time to its first token.
-4. With --stall: a 4000-token prompt arriving while 4 streams run through `specdec up`,
+4. With --llama-cpp DIR: llama.cpp's `llama-bench` on the same GGUF file and threads (a
+   64-token generation), its time per token beside our 1-token pass.
+5. With --stall: a 4000-token prompt arriving while 4 streams run through `specdec up`,
    with chunked prefill (256-token passes) and in one pass: how long the running
    streams stall."""
 
@@ -70,6 +72,17 @@ def invariance(eng: Engine, seqs, trials: int = 5) -> str:
     rows = trials * len(seqs)
     return (f"batch invariance: {differ} of {rows} rows differ at all between alone and {len(seqs)}-row passes; "
             f"max |logit difference| {worst:.2e}; argmax flips {flips} of {rows * 4} positions")
+
+
+def llama_cpp_step(bin_dir: str, gguf: str, threads: int) -> str:
+    """llama-bench's time per generated token on the file, at these threads."""
+    import json
+    import subprocess
+
+    done = subprocess.run([f"{bin_dir}/llama-bench", "-m", gguf, "-t", str(threads), "-p", "0", "-n", "64",
+                           "-r", "3", "-o", "json"], capture_output=True, text=True, timeout=600, check=True)
+    rate = json.loads(done.stdout)[0]["avg_ts"]
+    return f"llama.cpp llama-bench, the same file, {threads} threads: {1e3 / rate:.1f} ms a token ({rate:.1f} tok/s)"
 
 
 def second_turn(eng: Engine, tokenizer) -> str:
@@ -165,6 +178,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantize", default="auto", choices=quantize.METHODS)
     parser.add_argument("--threads", type=int, default=0, help="the pass's threads (0: one per core)")
+    parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: its llama-bench beside ours")
     parser.add_argument("--stall", action="store_true", help="also measure a long prefill beside running streams")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -186,6 +200,10 @@ def main() -> None:
     print(invariance(eng, seqs), flush=True)
     print(second_turn(eng, modeling.load_tokenizer(args.target)), flush=True)
     eng.stop()
+    if args.llama_cpp:
+        if modeling.gguf_file(args.target) is None:
+            raise SystemExit("--llama-cpp needs a GGUF target")
+        print(llama_cpp_step(args.llama_cpp, modeling.gguf_file(args.target), eng.threads), flush=True)
     if args.stall:
         for line in stall(args.target, args.draft):
             print(line, flush=True)

@@ -9,6 +9,10 @@ the end of the window the requests still running are cancelled. Variants:
   adaptive    K chosen per round by the orchestrator from the batched costs (the default)
   unbatched   the default (K chosen per round) with batching off (--max-batch-rows 1
               on the verifier and the drafters: one session per forward pass)
+  llama.cpp   with --llama-cpp DIR: llama.cpp's `llama-server` on the same GGUF file, as
+              many slots as the highest concurrency, every core, through its streaming
+              /completion endpoint with the same token ids (its own numerics: its
+              outputs are reported, not required to equal ours)
 Per cell: aggregate committed tokens/s (every token streamed inside the window, over
 the window), time to first token and inter-token latency (p50, p99), acceptance, mean
 rows per verifier pass, failed requests by status code (a request the window cut is
@@ -19,6 +23,10 @@ latency against concurrency) to --out."""
 
 import argparse
 import asyncio
+import contextlib
+import os
+import subprocess
+import urllib.request
 import itertools
 import json
 import logging
@@ -77,11 +85,46 @@ async def one_request(stub, req: Request, ids: list[int], max_new_tokens: int, k
     req.ended = time.perf_counter() - t0
 
 
+async def llama_request(session, url: str, req: Request, ids: list[int], max_new_tokens: int, t0: float) -> None:
+    body = {"prompt": ids, "n_predict": max_new_tokens, "stream": True, "temperature": 0, "top_k": 1,
+            "return_tokens": True}
+    req.started = time.perf_counter() - t0
+    try:
+        async with session.post(f"{url}/completion", json=body) as response:
+            if response.status != 200:
+                req.error = f"HTTP_{response.status}"
+            else:
+                async for line in response.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    now = time.perf_counter() - t0
+                    req.tokens += event.get("tokens", [])
+                    req.arrivals += [now] * len(event.get("tokens", []))
+                    if event.get("stop"):
+                        req.complete = True
+    except Exception as err:  # a broken stream is a failed request, never the benchmark's end
+        req.error = type(err).__name__
+    req.ended = time.perf_counter() - t0
+
+
 async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tokens: int, k: int | None,
                duration_s: float) -> list[Request]:
     """`streams` closed loops for `duration_s`; the requests still running then are cancelled."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+    async with contextlib.AsyncExitStack() as stack:
+        if address.startswith("http://"):  # llama-server
+            import aiohttp
+
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+
+            def send(req, ids, t0):
+                return llama_request(session, address, req, ids, max_new_tokens, t0)
+        else:
+            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(
+                await stack.enter_async_context(grpc.aio.insecure_channel(address)))
+
+            def send(req, ids, t0):
+                return one_request(stub, req, ids, max_new_tokens, k, t0)
         requests: list[Request] = []
         t0 = time.perf_counter()
 
@@ -89,7 +132,7 @@ async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tok
             for n in itertools.count():
                 req = Request((stream + n * streams) % len(prompts))
                 requests.append(req)
-                await one_request(stub, req, prompts[req.prompt], max_new_tokens, k, t0)
+                await send(req, prompts[req.prompt], t0)
                 if req.error:
                     return
 
@@ -172,7 +215,7 @@ def chart(cells: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     levels = list(cells)
-    for variant in VARIANTS:
+    for variant in dict.fromkeys(v for c in levels for v in cells[c]):
         xs = [c for c in levels if variant in cells[c]]
         if not xs:
             continue
@@ -224,7 +267,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
-    parser.add_argument("--quantize", default="none", choices=["none", "int8"], help="numerics of every model")
+    parser.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int8", "none"],
+                        help="numerics of every model (auto: as specdec up)")
+    parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: add the llama.cpp variant")
     parser.add_argument("--out", type=Path, default=Path("bench-load-out"))
     return parser
 
@@ -235,6 +280,8 @@ def run(args) -> dict:
         raise SystemExit(f"--variants: unknown {sorted(set(variants) - set(VARIANTS))}")
     if "target" not in variants:
         variants.insert(0, "target")  # the yardstick of every row
+    if args.llama_cpp:
+        variants.append("llama.cpp")
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = modeling.load_tokenizer(args.target)
     prompts = [prompt.encode(tokenizer) for prompt in read_prompts(args.prompts)]
@@ -246,15 +293,18 @@ def run(args) -> dict:
         off = [*numerics, "--max-batch-rows", "1"]
         deployments["unbatched"] = launch.plan(args.target, args.draft, args.num_drafters, launch.free_port(),
                                                args.dtype, args.device, verifier_flags=off, drafter_flags=off)
-    ks = {"target": 0, "fixed": args.k, "adaptive": None, "unbatched": None}
+    ks = {"target": 0, "fixed": args.k, "adaptive": None, "unbatched": None, "llama.cpp": None}
     for services in deployments.values():
         launch.start(services)
+    llama = llama_server(args.llama_cpp, args.target, max(levels), args.max_new_tokens) if args.llama_cpp else None
     cells: dict[int, dict] = {}
     alone: dict[str, dict[int, list[int]]] = {v: {} for v in variants}
     try:
         for services in deployments.values():
             launch.wait_serving(services, 900)
         address = {v: deployments["unbatched" if v == "unbatched" else "batched"][-1].address for v in variants}
+        if llama is not None:
+            address["llama.cpp"] = llama[1]
         for v in variants:  # first calls pay one-off costs: keep them out of the figures
             asyncio.run(cell(address[v], prompts[:1], 1, 4, ks[v], 2.0))
         for streams in levels:
@@ -269,6 +319,9 @@ def run(args) -> dict:
     finally:
         for services in deployments.values():
             launch.stop(services)
+        if llama is not None:
+            llama[0].terminate()
+            llama[0].wait()
     single = cells[levels[0]]["target"]["tokens_per_s"] / levels[0]  # per stream, at the lowest concurrency
     meta = {"target": args.target, "draft": args.draft, "num_drafters": args.num_drafters, "k": args.k,
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": args.device,
@@ -282,11 +335,32 @@ def run(args) -> dict:
     return report
 
 
+def llama_server(bin_dir: str, target: str, slots: int, max_new_tokens: int) -> tuple[subprocess.Popen, str]:
+    """llama-server on the target's GGUF file, on loopback, every core: (process, URL)."""
+    gguf = modeling.gguf_file(target)
+    if gguf is None:
+        raise SystemExit("--llama-cpp needs a GGUF target")
+    port = launch.free_port()
+    process = subprocess.Popen([f"{bin_dir}/llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                                "-t", str(os.cpu_count()), "-np", str(slots), "-c", str(slots * 2048)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return process, url
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise RuntimeError(f"llama-server did not start ({bin_dir})")
+            time.sleep(0.5)
+
+
 def main_with(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report = run(args)
     print((args.out / "bench-load.md").read_text())
-    rows = [row for by_variant in report["cells"].values() for row in by_variant.values()]
+    rows = [row for by_variant in report["cells"].values() for v, row in by_variant.items() if v != "llama.cpp"]
     if any(row["same_as_target"] != row["checked"] for row in rows):
         print("some outputs differ from the target alone", file=sys.stderr)
         return 1

@@ -280,6 +280,10 @@ class Engine:
             else:
                 seq.cached = row.start + row.n
                 self.blocks.computed(seq)
+                if row.start <= len(seq.tokens) - work.last:
+                    # This row computes from the first wanted position on: logits of earlier
+                    # passes are of a cache since preempted (recomputed now), not to be kept twice.
+                    work.parts = []
                 work.parts.append(logits[kept:kept + row.wanted])
                 if work.cancelled:
                     self._finish(work)

@@ -563,3 +563,39 @@ def test_llama_models_skip_transformers_plumbing_to_the_same_bits(models, numeri
         outputs.append([work.future.result()[0] for work in works])
     for ours, theirs in zip(*outputs):
         assert torch.equal(ours, theirs)
+
+
+def test_a_call_preempted_between_its_chunks_returns_exactly_its_logits(models, monkeypatch):
+    """A long call whose wanted positions straddle a chunk boundary, evicted between its
+    chunks (an older session grows into a full pool): the recompute must not add the
+    first chunk's logits a second time. (Before: 40 rows came back for 36 wanted, the
+    acceptance rule reading shifted logits.)"""
+    per_token = 2 * 2 * 2 * 16 * 4
+    eng = engine(models, kv_bytes=5 * 16 * per_token, max_batch_tokens=8)  # 4 blocks of 16; chunks of 8
+    assert eng.pool.capacity == 4
+    old, new = eng.new_sequence(), eng.new_sequence()
+    old.sync(0, tokens(16, 70))
+    eng.forward_now(old, 1)                       # 1 block
+    first_chunk, gate = threading.Event(), threading.Event()
+    real = eng.runner.run
+
+    def run(batch):
+        out = real(batch)
+        if any(row.work.seq is new for row in batch) and not first_chunk.is_set():
+            first_chunk.set()
+            gate.wait(10)                         # hold the engine after the first chunk
+        return out
+
+    monkeypatch.setattr(eng.runner, "run", run)
+    new.sync(0, tokens(40, 71))
+    work = eng.submit(new, 36)                    # 3 blocks: the pool is full; wanted from position 4
+    assert first_chunk.wait(10)
+    old.extend([5])                               # the older session needs a second block
+    grows = eng.submit(old, 1)
+    gate.set()
+    close(grows.future.result(10)[0], fresh(models, old.tokens, 1))
+    assert new.cached == 0 and not new.admitted   # preempted between its chunks
+    eng.release(old)
+    logits, _ = work.future.result(30)
+    assert logits.shape[0] == 36
+    close(logits, fresh(models, new.tokens, 36))
