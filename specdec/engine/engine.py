@@ -109,6 +109,8 @@ class Engine:
         """Queues work; `again`: the caller will be back with more right after this one
         (the next pass may wait a little for it); `then`: see Work."""
         with self.cond:
+            if seq.released:  # closed while the call waited for it: nothing may be admitted for it
+                raise _closed()
             if not self.blocks.fits(seq):
                 raise Overloaded(f"the session holds {len(seq.tokens)} tokens; the KV pool holds "
                                  f"{self.pool.capacity * self.pool.block_size}")

@@ -599,3 +599,16 @@ def test_a_call_preempted_between_its_chunks_returns_exactly_its_logits(models, 
     logits, _ = work.future.result(30)
     assert logits.shape[0] == 36
     close(logits, fresh(models, new.tokens, 36))
+
+
+def test_a_call_on_a_closed_session_takes_no_blocks(models):
+    """A call that waited on its session's lock while the session was closed: it is told
+    to resend, and takes no blocks (before, it was admitted with fresh ones, which a
+    cancel then left with a dead session)."""
+    eng = engine(models)
+    seq = eng.new_sequence()
+    seq.sync(0, tokens(20, 80))
+    eng.release(seq)
+    with pytest.raises(NeedsResync):
+        eng.submit(seq, 1)
+    assert eng.blocks.available == eng.pool.capacity and not eng.blocks.holders and not eng.queue
