@@ -94,15 +94,16 @@ async def llama_request(session, url: str, req: Request, ids: list[int], max_new
             if response.status != 200:
                 req.error = f"HTTP_{response.status}"
             else:
-                async for line in response.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    event = json.loads(line[6:])
+                pending = b""
+                async for data in response.content.iter_any():  # its last event is longer than a line limit
                     now = time.perf_counter() - t0
-                    req.tokens += event.get("tokens", [])
-                    req.arrivals += [now] * len(event.get("tokens", []))
-                    if event.get("stop"):
-                        req.complete = True
+                    *lines, pending = (pending + data).split(b"\n")
+                    for line in lines:
+                        if line.startswith(b"data: "):
+                            event = json.loads(line[6:])
+                            req.tokens += event.get("tokens", [])
+                            req.arrivals += [now] * len(event.get("tokens", []))
+                            req.complete = req.complete or bool(event.get("stop"))
     except Exception as err:  # a broken stream is a failed request, never the benchmark's end
         req.error = type(err).__name__
     req.ended = time.perf_counter() - t0
