@@ -116,7 +116,9 @@ async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tok
         if address.startswith("http://"):  # llama-server
             import aiohttp
 
-            session = await stack.enter_async_context(aiohttp.ClientSession())
+            # A connection per request: llama-server closes a stream's connection at its end.
+            session = await stack.enter_async_context(
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)))
 
             def send(req, ids, t0):
                 return llama_request(session, address, req, ids, max_new_tokens, t0)
