@@ -243,9 +243,19 @@ class Engine:
                 logits, error = None, err
             done = Pass(len(batch), sum(row.n for row in batch), time.perf_counter() - started)
             with self.cond:
-                self._commit(batch, logits, error, done)
+                deciding = self._commit(batch, logits, error, done)
+            if deciding:
+                # Decode steps pick their tokens outside the lock: a pick (softmax, sampling, a
+                # copy to the host) must not hold up the calls of the service's event loop.
+                decided = [(work, logits, *self._pick(work, logits, done)) for work, logits in deciding]
+                with self.cond:
+                    for outcome in decided:
+                        self._picked(*outcome, done)
 
-    def _commit(self, batch: list[Row], logits: torch.Tensor | None, error: Exception | None, done: Pass) -> None:
+    def _commit(self, batch: list[Row], logits: torch.Tensor | None, error: Exception | None,
+                done: Pass) -> list[tuple[Work, torch.Tensor]]:
+        """A pass's end for each of its works; -> the decode steps whose token is to be
+        picked (still marked in the pass, so that nothing frees their session meanwhile)."""
         self.passes += 1
         self.rows += done.rows
         self.tokens += done.tokens
@@ -267,7 +277,7 @@ class Engine:
                      (now - self.logged[0]), len(self.blocks.holders), self.blocks.used,
                      self.pool.capacity, self.scheduler.waiting())
             self.logged = (now, self.passes, self.rows, self.tokens, self.busy_s)
-        kept = 0
+        kept, deciding = 0, []
         for row in batch:
             work, seq = row.work, row.work.seq
             work.in_pass = False
@@ -290,20 +300,34 @@ class Engine:
                 if work.cancelled:
                     self._finish(work)
                 elif work.remaining == 0:
-                    self._done(work, work.parts[0] if len(work.parts) == 1 else torch.cat(work.parts), done)
+                    finished = work.parts[0] if len(work.parts) == 1 else torch.cat(work.parts)
+                    if work.then is None:
+                        self._finish(work, result=(finished, done))
+                    else:
+                        work.in_pass = True
+                        deciding.append((work, finished))
             kept += row.wanted
         self.cond.notify()
+        return deciding
 
-    def _done(self, work: Work, logits: torch.Tensor, done: Pass) -> None:
-        if work.then is None:
-            self._finish(work, result=(logits, done))
-            return
+    @staticmethod
+    def _pick(work: Work, logits: torch.Tensor, done: Pass) -> tuple[bool, Exception | None]:
+        """Without the lock: -> (go on decoding, the pick's error)."""
         try:
-            go_on = work.then(logits, done)
+            return work.then(logits, done), None
         except Exception as err:  # the caller's pick failed: its work ends, never the engine
-            self._finish(work, error=err)
-            return
-        if go_on:  # the token just picked is the work's next pass
+            return False, err
+
+    def _picked(self, work: Work, logits: torch.Tensor, go_on: bool, error: Exception | None, done: Pass) -> None:
+        work.in_pass = False
+        if work.seq.released:
+            self._finish(work, error=_closed())
+            self.blocks.evict(work.seq)  # closed during the pick: its blocks are free now
+        elif error is not None:
+            self._finish(work, error=error)
+        elif work.cancelled:
+            self._finish(work)
+        elif go_on:  # the token just picked is the work's next pass
             work.parts = []
         else:
             self._finish(work, result=(logits, done))

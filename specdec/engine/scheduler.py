@@ -3,7 +3,7 @@
 Per pass, `max_batch_tokens` bounds the work: short rows (a round's drafts, a decode
 step) go whole, a long prefill goes in chunks of what is left, so a long prompt never
 stalls the running streams for longer than one chunk. Sessions waiting for memory form
-a bounded queue (see Engine.submit)."""
+a bounded queue (see Engine.submit), admitted in the order they came."""
 
 import concurrent.futures
 import itertools
@@ -93,6 +93,12 @@ class Scheduler:
         sessions first (they may take blocks from newer ones); then prefill chunks."""
         batch, in_pass = [], set()
         budget = self.max_batch_tokens
+        # Admission is first come, first served: the first session that does not fit holds back
+        # every later one (the memory that frees up is kept for it), so that a large prompt is
+        # never passed over for ever by a stream of small ones.
+        for work in sorted((w for w in self.queue if not w.seq.admitted), key=lambda w: w.order):
+            if not self.blocks.admit(work.seq, len(work.seq.tokens) - work.last):
+                break
 
         def age(work: Work):
             return (work.seq.admitted or float("inf"), work.order)
@@ -103,7 +109,7 @@ class Scheduler:
             seq = work.seq
             if len(batch) == self.max_batch_rows or seq in in_pass:
                 continue
-            if not seq.admitted and not self.blocks.admit(seq, len(seq.tokens) - work.last):
+            if not seq.admitted:
                 continue  # it waits for memory
             n = work.remaining
             if n > self.short:  # a prefill: a chunk of what is left; the first one at least a short row's worth

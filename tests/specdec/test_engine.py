@@ -614,3 +614,61 @@ def test_a_call_on_a_closed_session_takes_no_blocks(models):
     with pytest.raises(NeedsResync):
         eng.submit(seq, 1)
     assert eng.blocks.available == eng.pool.capacity and not eng.blocks.holders and not eng.queue
+
+
+def test_admission_is_first_come_first_served(models):
+    """A session waiting for memory is not passed over by later, smaller ones (before,
+    the scheduler skipped it and admitted whatever fitted behind it: a large prompt could
+    wait for ever behind a stream of small newcomers)."""
+    per_token = 2 * 2 * 2 * 16 * 4
+    eng = engine(models, kv_bytes=9 * 16 * per_token)  # 8 blocks of 16
+    holder, big, small = eng.new_sequence(), eng.new_sequence(), eng.new_sequence()
+    holder.sync(0, tokens(60, 90))
+    eng.forward_now(holder, 1)                     # 4 blocks held
+    big.sync(0, tokens(90, 91))                    # 6 blocks: it waits
+    first = eng.submit(big, 1)
+    small.sync(0, tokens(20, 92))                  # 2 blocks: they are free
+    with eng.cond:                                 # one schedule sees both calls
+        second = eng.submit(small, 1)
+        beside = eng.submit(holder, 1)
+    beside.future.result(10)
+    assert not small.admitted and not second.future.done()  # it waits behind the first
+    eng.release(holder)
+    close(first.future.result(30)[0], fresh(models, big.tokens, 1))
+    close(second.future.result(30)[0], fresh(models, small.tokens, 1))
+    assert big.admitted < small.admitted
+
+
+def test_calls_are_not_held_up_by_a_decode_step_picking_its_token(models):
+    """A decode's pick (softmax, sampling, a copy to the host) runs outside the engine's
+    lock: the service's event loop, which submits, crops and cancels under that lock,
+    never waits for it (before, every RPC stalled behind each pass's picks)."""
+    eng = engine(models)
+    seq, other = eng.new_sequence(), eng.new_sequence()
+    seq.sync(0, tokens(12, 93))
+    other.sync(0, tokens(12, 94))
+    picking, picked = threading.Event(), threading.Event()
+
+    def pick(logits):
+        picking.set()
+        assert picked.wait(10)
+        return int(logits.argmax()), False
+
+    async def go():
+        return [token async for token, _ in seq.decode(pick)]
+
+    decoding = threading.Thread(target=lambda: got.extend(asyncio.run(go())))
+    got = []
+    decoding.start()
+    assert picking.wait(10)
+    submitted = []
+    caller = threading.Thread(target=lambda: submitted.append(eng.submit(other, 1)))
+    caller.start()
+    caller.join(5)
+    held_up = caller.is_alive()
+    picked.set()
+    caller.join(10)
+    decoding.join(10)
+    assert not held_up, "submit waited for the pick"
+    assert got == greedy_reference(models, tokens(12, 93), 1)
+    close(submitted[0].future.result(10)[0], fresh(models, other.tokens, 1))
