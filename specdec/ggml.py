@@ -26,9 +26,9 @@ TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
 
 def _kernels():
-    from specdec.kernels import gguf_cpu
+    from specdec.kernels import cpu
 
-    return gguf_cpu()
+    return cpu()
 
 
 class GGUFLinear(torch.nn.Module):

@@ -5,6 +5,7 @@ sequence, so the linear layers see one [1, tokens] input, and only attention nee
 know where each row's history lives."""
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -35,6 +36,11 @@ class Plan:
     groups: list[Group]
     dtype: torch.dtype  # attention computes in it (float64 for a quantized model: see specdec.quantize)
     works: list  # the pass's (specdec.engine.scheduler.Work)
+    # On a CPU in float64, the kernel (specdec/kernels/attention_cpu.cpp) attends every row
+    # in one call, from (slots [B, L] each row reads, row of each token [T], positions each
+    # token attends [T]); `groups` is then empty.
+    kernel: Callable | None = None
+    table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def abandoned(self) -> bool:
         """Every row's caller has gone (a decode whose reader moved on to another call on
@@ -60,6 +66,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_pool, v_pool = plan.pool.k[layer], plan.pool.v[layer]
     k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
+    if plan.kernel is not None:
+        return plan.kernel(query[0].transpose(0, 1), k_pool, v_pool, *plan.table, scaling).unsqueeze(0), None
     if len(plan.groups) == 1 and plan.groups[0].read_slots.shape[0] == 1:
         # The pass's one row (a decode step, one session's round): its tokens in order,
         # nothing to pick out or place back.

@@ -1,11 +1,15 @@
 """The one place that turns a pass's rows into batched tensors and runs the model."""
 
+import logging
+
 import torch
 
 from specdec.engine.attention import ATTENTION, Group, Plan, paged_attention
 from specdec.engine.block_manager import KVPool
 from specdec.engine.scheduler import Row
 from specdec.quantize import attention_dtype
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -15,6 +19,7 @@ class ModelRunner:
         model.set_attn_implementation(ATTENTION)
         self.model, self.device, self.pool, self.short = model, model.device, pool, short
         self.attention_dtype = attention_dtype(model, model.dtype)
+        self.kernel = _cpu_attention(model, self.attention_dtype)
         self.forward = _llama_forward if _is_llama(model) else _transformers_forward
 
     def run(self, batch: list[Row]) -> torch.Tensor:
@@ -29,10 +34,17 @@ class ModelRunner:
             ids += seq.tokens[start:end]
             positions += range(start, end)
         writes = [slots[row.start:] for row, _, slots in placed]
-        short = [p for p in placed if p[0].n <= self.short]
-        groups = [self._group(g) for g in ([short] if short else []) + [[p] for p in placed if p[0].n > self.short]]
-        plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), groups, self.attention_dtype,
+        plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), [], self.attention_dtype,
                     [row.work for row in batch])
+        if self.kernel is not None:
+            plan.kernel = self.kernel
+            plan.table = (torch.nn.utils.rnn.pad_sequence([slots for _, _, slots in placed], batch_first=True),
+                          torch.tensor([b for b, row in enumerate(batch) for _ in range(row.n)]),
+                          torch.tensor(positions) + 1)
+        else:
+            short = [p for p in placed if p[0].n <= self.short]
+            plan.groups = [self._group(g) for g in ([short] if short else [])
+                           + [[p] for p in placed if p[0].n > self.short]]
         with torch.inference_mode():
             logits = self.forward(self.model, torch.tensor([ids], device=device),
                                   torch.tensor([positions], device=device),
@@ -63,6 +75,21 @@ class ModelRunner:
                     <= torch.tensor(q_pos, device=device)[:, :, None]).unsqueeze(1)
         return Group(read_slots, torch.tensor(q_index, device=device), mask,
                      torch.tensor(packed, device=device), torch.tensor(flat, device=device))
+
+
+def _cpu_attention(model, dtype: torch.dtype):
+    """The float64 attention kernel, for a model on a CPU that attends in float64 (a
+    quantized one) and keeps float32 keys and values; None elsewhere, or where the
+    kernels do not build (torch's attention then)."""
+    if model.device.type != "cpu" or dtype != torch.float64 or model.dtype != torch.float32:
+        return None
+    try:
+        from specdec.kernels import cpu
+
+        return cpu().attention
+    except Exception as err:  # no compiler here
+        log.warning("torch's attention, not specdec's kernel: %s", str(err).splitlines()[0] if str(err) else err)
+        return None
 
 
 def _transformers_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:

@@ -16,32 +16,36 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 
 
+SOURCES = ("gguf_cpu.cpp", "attention_cpu.cpp", "module.cpp")
+
+
 @functools.cache
-def gguf_cpu():
-    """The GGUF block products (gguf_cpu.cpp): `matmul(x, blocks, type)` and
-    `dequantize(blocks, type, ids)`."""
+def cpu():
+    """The CPU kernels, one module: the GGUF block products (gguf_cpu.cpp), `matmul(x,
+    blocks, type)` and `dequantize(blocks, type, ids)`; the engine's float64 paged
+    attention (attention_cpu.cpp), `attention(q, k_pool, v_pool, slots, rows, lengths, scale)`."""
     from torch.utils import cpp_extension
 
     from specdec.modeling import cache_root
 
-    source = _HERE / "gguf_cpu.cpp"
+    sources = [_HERE / name for name in SOURCES]
     # -march=native: built on the machine that runs it; the key keeps builds for other
     # CPUs, torch versions and sources apart (a shared cache, a baked image).
-    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + platform.machine().encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
-    build = cache_root() / "kernels" / f"gguf_cpu-{key}"
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + torch.__version__.encode()
+                         + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
+    build = cache_root() / "kernels" / f"cpu-{key}"
     try:
         build.mkdir(parents=True, exist_ok=True)
-        writable = os.access(build, os.W_OK) or (build / "specdec_gguf_cpu.so").exists()
+        writable = os.access(build, os.W_OK) or (build / "specdec_cpu.so").exists()
     except OSError:
         writable = False
     if not writable:  # a read-only cache (a baked image) built for another CPU: build beside it
-        build = Path(tempfile.gettempdir()) / "specdec-kernels" / f"gguf_cpu-{key}"
+        build = Path(tempfile.gettempdir()) / "specdec-kernels" / f"cpu-{key}"
         build.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    module = cpp_extension.load(name="specdec_gguf_cpu", sources=[str(source)], build_directory=str(build),
+    module = cpp_extension.load(name="specdec_cpu", sources=[str(s) for s in sources], build_directory=str(build),
                                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], verbose=False)
-    log.info("GGUF kernels ready in %.1f s (%s)", time.monotonic() - started, build)
+    log.info("CPU kernels ready in %.1f s (%s)", time.monotonic() - started, build)
     return module
 
 

@@ -1,5 +1,5 @@
 """Builds the kernels for this machine now (the set-up runs it): `python -m specdec.kernels`."""
 
-from specdec.kernels import gguf_cpu
+from specdec.kernels import cpu
 
-print(gguf_cpu().__file__)
+print(cpu().__file__)

@@ -234,8 +234,3 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, torch::Tensor ids) {
   }
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul, "x [M, K] float32 @ GGUF blocks [N, K]^T -> [M, N]");
-  m.def("dequantize", &dequantize, "rows of GGUF blocks -> float32");
-}
