@@ -26,6 +26,7 @@ def generate(args) -> int:
 
     credentials = client_credentials(args)
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
+    result = None
     with open_channel(args.address, credentials) as channel:
         if args.wait:
             wait_until_serving(args.address, args.wait, credentials)
@@ -44,6 +45,9 @@ def generate(args) -> int:
             return 1
     elapsed = time.monotonic() - started
     print(flush=True)
+    if result is None:
+        print("specdec generate: the stream ended without its result (the orchestrator went away?)", file=sys.stderr)
+        return 1
     s = result.stats
     print(f"-- {result.usage.completion_tokens} tokens in {elapsed:.2f} s "
           f"({result.usage.completion_tokens / elapsed:.1f} tokens/s), finish "
@@ -61,6 +65,16 @@ def client_credentials(args):
         return None
     read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
     return grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+
+
+def add_client_flags(parser) -> None:
+    """What a client of the orchestrator may need: its token, its TLS."""
+    flags.add(parser, "--token", env="SPECDEC_TOKEN", default="", help="bearer token, when the orchestrator asks "
+              "for one")
+    flags.add(parser, "--tls-ca", env="SPECDEC_TLS_CA", default="",
+              help="PEM CA that signed the orchestrator's certificate")
+    flags.add(parser, "--tls-cert", env="SPECDEC_TLS_CERT", default="", help="PEM client certificate (mutual TLS)")
+    flags.add(parser, "--tls-key", env="SPECDEC_TLS_KEY", default="", help="PEM key of --tls-cert")
 
 
 def wait_until_serving(address: str, timeout_s: float, credentials=None) -> None:
@@ -121,18 +135,22 @@ def ray_command(args) -> int:
         deployment.down()
         ray.shutdown()  # a local Ray goes with it; on a cluster this only disconnects
         return 0
-    with grpc.insecure_channel(args.admin) as channel:
+    from deploy.launch import channel as open_channel
+
+    metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
+    with open_channel(args.admin, client_credentials(args)) as channel:
         admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel)
         try:
             if args.ray_command == "scale-drafters":
-                reply = admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=args.replicas), timeout=120)
+                reply = admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=args.replicas), timeout=120,
+                                            metadata=metadata)
                 print(f"drafter replicas: {reply.replicas} ({reply.replicas - reply.pending} placed, "
                       f"{reply.pending} pending)")
                 if reply.pending:
                     print(f"specdec ray: {reply.detail}", file=sys.stderr)
                     return 3
             else:
-                listing = admin.ListDrafters(pb.ListDraftersRequest(), timeout=10)
+                listing = admin.ListDrafters(pb.ListDraftersRequest(), timeout=10, metadata=metadata)
                 print(f"{len(listing.replicas)} drafter replicas ({listing.source})")
                 for r in listing.replicas:
                     print(f"  {r.address}  sessions={r.sessions}  healthy={r.healthy}")
@@ -196,10 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None)
     g.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the orchestrator to be up")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
-    flags.add(g, "--token", env="SPECDEC_TOKEN", default="", help="bearer token, when the orchestrator asks for one")
-    flags.add(g, "--tls-ca", env="SPECDEC_TLS_CA", default="", help="PEM CA that signed the orchestrator's certificate")
-    flags.add(g, "--tls-cert", env="SPECDEC_TLS_CERT", default="", help="PEM client certificate (mutual TLS)")
-    flags.add(g, "--tls-key", env="SPECDEC_TLS_KEY", default="", help="PEM key of --tls-cert")
+    add_client_flags(g)
     r = sub.add_parser("ray", help="launch on Ray and scale drafters")
     ray_sub = r.add_subparsers(dest="ray_command", required=True)
     ru = ray_sub.add_parser("up", help="start the services as Ray actors (local Ray, or --address)")
@@ -235,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (rs, rl):
         flags.add(p, "--admin", env="SPECDEC_ADMIN_ADDRESS", default="127.0.0.1:50050",
                   help="host:port of the orchestrator's admin service (loopback on the orchestrator's machine)")
+        add_client_flags(p)
 
     # The benchmarks load torch and the models: their own parsers take the rest of the
     # line, so that the thin commands above start without them.

@@ -13,6 +13,7 @@ from specdec.common.v1 import common_pb2
 from specdec.security import aio_channel
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from orchestrator.pool import IncompatiblePair, wait_for_info
+from orchestrator.tasks import spawn
 
 log = logging.getLogger("orchestrator.verifier")
 
@@ -71,7 +72,7 @@ class VerifierEndpoint:
         old = self.channel
         self._connect(address)
         await self.recheck()
-        asyncio.get_running_loop().call_later(30.0, lambda: asyncio.ensure_future(old.close()))
+        asyncio.get_running_loop().call_later(30.0, lambda: spawn(old.close()))
 
     async def watch(self, interval_s: float, locate: Callable[[], Awaitable[str]] | None = None) -> None:
         """Re-checks the model when the connection comes back and every interval_s; with

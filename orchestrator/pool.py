@@ -11,6 +11,7 @@ import grpc
 
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.security import aio_channel
+from orchestrator.tasks import spawn
 from specdec.server import MESSAGE_OPTIONS
 
 log = logging.getLogger("orchestrator.pool")
@@ -90,7 +91,7 @@ class DrafterPool:
             log.info("drafter %s removed (%d replicas); draining %d sessions", address, len(self.replicas),
                      replica.sessions)
             if replica.sessions == 0:
-                asyncio.ensure_future(replica.channel.close())
+                spawn(replica.channel.close())
 
     async def check(self, replica: Replica, wait_s: float = 0.0) -> None:
         """Checks the replica's vocabulary against the target's (IncompatiblePair)."""
@@ -122,7 +123,7 @@ class DrafterPool:
     def release(self, replica: Replica) -> None:
         replica.sessions -= 1
         if replica.removed and replica.sessions == 0:
-            asyncio.ensure_future(replica.channel.close())
+            spawn(replica.channel.close())
 
     def mark_down(self, replica: Replica, err: grpc.aio.AioRpcError) -> None:
         log.warning("drafter %s failed (%s: %s); retrying it in %.1f s", replica.address, err.code().name,

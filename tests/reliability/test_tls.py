@@ -3,6 +3,10 @@ certificates from flags, a CA made in the test. A caller without the right certi
 is refused at the handshake; one without the token gets UNAUTHENTICATED; health and
 reflection answer without a token; the output is still the target's."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -47,6 +51,7 @@ def secured(tiny_pair, tmp_path_factory):
     cluster.start(v, dr)
     cluster.start(o)
     cluster.health_port, cluster.ca = health_port, ca.path.read_bytes()
+    cluster.client_files = ["--tls-ca", str(ca.path), "--tls-cert", str(client_cert), "--tls-key", str(client_key)]
     yield cluster, (v, dr, o), ours, theirs
     cluster.close()
 
@@ -133,3 +138,15 @@ def test_specdec_generate_speaks_tls_and_token(secured, tmp_path):
     assert done.returncode == 0 and "4 tokens" in done.stderr, done.stderr
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "UNAUTHENTICATED" in done.stderr, done.stderr
+
+
+def test_the_admin_commands_bring_the_token_and_certificate(secured):
+    """`specdec ray drafters` against an orchestrator that demands both (before, the admin
+    commands connected in plain text, with no token)."""
+    cluster, (_, dr, o), _, _ = secured
+    specdec = [str(Path(sys.executable).parent / "specdec"), "ray", "drafters", "--admin", o.admin_address,
+               *cluster.client_files]
+    done = subprocess.run([*specdec, "--token", TOKEN], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and dr.address in done.stdout, done.stderr
+    done = subprocess.run(specdec, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "UNAUTHENTICATED" in done.stderr

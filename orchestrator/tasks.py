@@ -1,0 +1,13 @@
+"""Tasks started and not awaited (a channel closed in the background): the event loop keeps
+only a weak reference to a task, so one that nobody holds may be collected before it ends."""
+
+import asyncio
+
+_running: set[asyncio.Task] = set()
+
+
+def spawn(coro) -> asyncio.Task:
+    task = asyncio.ensure_future(coro)
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+    return task

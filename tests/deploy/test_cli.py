@@ -1,0 +1,26 @@
+"""`specdec generate` when the stream breaks off: one line that says so, not a traceback."""
+
+import argparse
+
+from deploy import cli
+from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+
+
+class Cut:
+    """The orchestrator's stub, standing in: a chunk, then the stream ends without its result."""
+
+    def __init__(self, channel):
+        pass
+
+    def Generate(self, request, **kwargs):
+        yield pb.GenerateResponse(chunk=pb.Chunk(text="Half a sen"))
+
+
+def test_a_stream_without_its_result_is_reported(monkeypatch, capsys):
+    monkeypatch.setattr(orchestrator_pb2_grpc, "OrchestratorServiceStub", Cut)
+    args = argparse.Namespace(max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, stop=None, raw=True,
+                              prompt="hi", seed=None, k=None, address="127.0.0.1:1", wait=0, timeout=5,
+                              token="", tls_ca="", tls_cert="", tls_key="")
+    assert cli.generate(args) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("Half a sen") and "ended without its result" in err
