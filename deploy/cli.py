@@ -144,8 +144,8 @@ def ray_command(args) -> int:
             if args.ray_command == "scale-drafters":
                 reply = admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=args.replicas), timeout=120,
                                             metadata=metadata)
-                print(f"drafter replicas: {reply.replicas} ({reply.replicas - reply.pending} placed, "
-                      f"{reply.pending} pending)")
+                print(f"drafter replicas: {reply.replicas} ({reply.replicas - reply.starting - reply.pending} "
+                      f"serving, {reply.starting} starting, {reply.pending} pending)")
                 if reply.pending:
                     print(f"specdec ray: {reply.detail}", file=sys.stderr)
                     return 3
@@ -154,6 +154,9 @@ def ray_command(args) -> int:
                 print(f"{len(listing.replicas)} drafter replicas ({listing.source})")
                 for r in listing.replicas:
                     print(f"  {r.address}  sessions={r.sessions}  healthy={r.healthy}")
+                if listing.starting or listing.pending:
+                    print(f"and {listing.starting} starting (placed, loading the model), {listing.pending} pending "
+                          "(waiting for resources)")
                 if listing.last_scaling_decision:
                     print(f"last autoscaling decision: {listing.last_scaling_decision}")
         except grpc.RpcError as err:

@@ -82,9 +82,13 @@ class RaySource:
         return (f"each asks for {asks:g} CPU; {free.get('CPU', 0.0):g} of "
                 f"{ray.cluster_resources().get('CPU', 0.0):g} CPUs are free")
 
-    async def placement(self, wait_s: float) -> tuple[int, int]:
-        """(placed, pending) replicas; see DrafterController.placement."""
+    async def placement(self, wait_s: float) -> tuple[int, int, int]:
+        """(serving, starting, pending) replicas; see DrafterController.placement."""
         return tuple(await self.controller.placement.remote(wait_s))
+
+    async def counts(self) -> tuple[int, int, int]:
+        """(serving, starting, pending) replicas now."""
+        return tuple(await self.controller.counts.remote())
 
 
 def ray_locator(actor: str, namespace: str, address: str):

@@ -301,22 +301,25 @@ class AdminServicer(orchestrator_pb2_grpc.OrchestratorAdminServiceServicer):
             await abort(context, InvalidArgument("replicas", f"must be >= 0, got {request.replicas}"))
         log.info("scaling drafters to %d (admin request)", request.replicas)
         replicas = await self.source.scale(request.replicas)
-        placed, pending = await self.source.placement(PLACEMENT_WAIT_S)
+        _, starting, pending = await self.source.placement(PLACEMENT_WAIT_S)
         detail = ""
         if pending:
             detail = (f"{pending} of {replicas} drafter replicas are not placed after {PLACEMENT_WAIT_S:.0f} s: "
                       f"the cluster has no room for them now ({self.source.resources()})")
             log.warning("%s", detail)
-        return pb.ScaleDraftersResponse(replicas=replicas, pending=pending, detail=detail)
+        return pb.ScaleDraftersResponse(replicas=replicas, pending=pending, starting=starting, detail=detail)
 
     async def ListDrafters(self, request, context):
         if self.pool is None:
             await abort(context, Unavailable("still starting"))
         now = time.monotonic()
+        serving, starting, pending = await self.source.counts() if hasattr(self.source, "counts") else (0, 0, 0)
+        # A replica serving but not in the pool yet (it joins at the next refresh) is starting too.
+        starting = max(0, serving + starting - len(self.pool.replicas))
         return pb.ListDraftersResponse(
             replicas=[pb.DrafterReplica(address=r.address, sessions=r.sessions, healthy=r.healthy(now))
                       for r in self.pool.replicas.values()],
-            source=self.source.kind,
+            source=self.source.kind, starting=starting, pending=pending,
             last_scaling_decision=self.autoscaler.last_decision if self.autoscaler else "")
 
 

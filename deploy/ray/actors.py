@@ -22,7 +22,11 @@ class ServiceActor:
     process) and reports where it listens. On a cluster it binds all interfaces and
     reports the node's address; on one machine it stays on loopback."""
 
-    def __init__(self, service: str, argv: list[str]):
+    def __init__(self, service: str, argv: list[str], placed=None):
+        """placed: (an actor, a key): told `placed(key)` as this starts on its node, so
+        that it can tell a replica loading its model from one Ray has not placed."""
+        if placed is not None:
+            placed[0].placed.remote(placed[1])
         module = importlib.import_module(MODULES[service])
         args = module.build_parser().parse_args(argv)
         flags.setup_logging(args.log_level, service, args.log_format)
@@ -70,6 +74,8 @@ class DrafterController:
         self.drafter_argv, self.num_cpus, self.num_gpus, self.drain_s = drafter_argv, num_cpus, num_gpus, drain_s
         self.replicas: list = []
         self.started_refs: dict = {}  # replica -> its first call, done once Ray has placed and started it
+        self.names: dict = {}  # replica -> its name
+        self.placed_names: set[str] = set()  # replicas whose process has started (see ServiceActor)
         self.started = 0
         self.retiring: set[asyncio.Task] = set()
         # The replicas are this actor's own and die with it: a restarted controller starts
@@ -83,17 +89,22 @@ class DrafterController:
     def _grow(self, replicas: int) -> None:
         while len(self.replicas) < replicas:
             self.started += 1
+            name = f"{self.name}-drafter-{self.incarnation}-{self.started}"
             actor = ray.remote(ServiceActor).options(
-                name=f"{self.name}-drafter-{self.incarnation}-{self.started}", num_cpus=self.num_cpus,
-                num_gpus=self.num_gpus, max_restarts=-1, max_task_retries=-1,
-            ).remote("drafter", self.drafter_argv)
+                name=name, num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=-1, max_task_retries=-1,
+            ).remote("drafter", self.drafter_argv, (ray.get_runtime_context().current_actor, name))
             self.replicas.append(actor)
+            self.names[actor] = name
             self.started_refs[actor] = actor.address.remote()
+
+    async def placed(self, name: str) -> None:
+        self.placed_names.add(name)
 
     async def scale(self, replicas: int) -> int:
         self._grow(replicas)
         while len(self.replicas) > replicas:
             actor = self.replicas.pop()
+            self.placed_names.discard(self.names.pop(actor, None))
             ref = self.started_refs.pop(actor, None)
             started = ref is None or bool(ray.wait([ref], timeout=0)[0])
             task = asyncio.ensure_future(self._retire(actor) if started else self._kill(actor))
@@ -106,16 +117,27 @@ class DrafterController:
         """CPUs each replica asks for."""
         return self.num_cpus
 
-    async def placement(self, wait_s: float) -> tuple[int, int]:
-        """(placed, pending): replicas whose actor Ray has started, and those still waiting
-        for resources the cluster does not have after `wait_s` seconds."""
-        refs = [self.started_refs[r] for r in self.replicas if r in self.started_refs]
-        if not refs:
-            return len(self.replicas), 0
-        done, waiting = await asyncio.wait([asyncio.ensure_future(self._started(r)) for r in refs], timeout=wait_s)
-        for task in waiting:
-            task.cancel()
-        return len(self.replicas) - len(waiting), len(waiting)
+    async def placement(self, wait_s: float) -> tuple[int, int, int]:
+        """(serving, starting, pending) after waiting up to `wait_s` seconds for every
+        replica to start: replicas that listen; those Ray has placed that are still
+        loading their model; those still waiting for resources the cluster lacks."""
+        refs = {r: self.started_refs[r] for r in self.replicas if r in self.started_refs}
+        if refs:
+            tasks = {asyncio.ensure_future(self._started(ref)): r for r, ref in refs.items()}
+            _, waiting = await asyncio.wait(tasks, timeout=wait_s)
+            for task in waiting:
+                task.cancel()
+        return self._counts()
+
+    async def counts(self) -> tuple[int, int, int]:
+        """(serving, starting, pending) now."""
+        return self._counts()
+
+    def _counts(self) -> tuple[int, int, int]:
+        unready = [r for r in self.replicas if r in self.started_refs
+                   and not ray.wait([self.started_refs[r]], timeout=0)[0]]
+        starting = sum(self.names.get(r) in self.placed_names for r in unready)
+        return len(self.replicas) - len(unready), starting, len(unready) - starting
 
     @staticmethod
     async def _started(ref) -> None:

@@ -179,9 +179,14 @@ def test_cli_lists_and_scales(deployment):
     run = lambda *a: subprocess.run([str(Path(sys.executable).parent / "specdec"), "ray", *a, "--admin",
                                      deployment.admin_address], capture_output=True, text=True, timeout=60)
     done = run("scale-drafters", "2")
-    assert done.returncode == 0 and "drafter replicas: 2" in done.stdout, done.stderr
+    assert done.returncode == 0 and "drafter replicas: 2" in done.stdout and "0 pending" in done.stdout, done.stderr
     done = run("drafters")
     assert done.returncode == 0 and "(ray)" in done.stdout
+    # Every replica the scale made is listed, or said to be starting (a replica loading its
+    # model under load is not "pending": the cluster has room for it).
+    listed = int(done.stdout.split(" drafter replicas")[0])
+    starting = int(done.stdout.split("and ")[1].split(" starting")[0]) if "starting" in done.stdout else 0
+    assert listed + starting == 2, done.stdout
 
 
 def test_chaos_under_ray(deployment, stubs, expected):

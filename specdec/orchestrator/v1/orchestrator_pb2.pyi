@@ -139,14 +139,16 @@ class ScaleDraftersRequest(_message.Message):
     def __init__(self, replicas: _Optional[int] = ...) -> None: ...
 
 class ScaleDraftersResponse(_message.Message):
-    __slots__ = ("replicas", "pending", "detail")
+    __slots__ = ("replicas", "pending", "detail", "starting")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
     replicas: int
     pending: int
     detail: str
-    def __init__(self, replicas: _Optional[int] = ..., pending: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    starting: int
+    def __init__(self, replicas: _Optional[int] = ..., pending: _Optional[int] = ..., detail: _Optional[str] = ..., starting: _Optional[int] = ...) -> None: ...
 
 class ListDraftersRequest(_message.Message):
     __slots__ = ()
@@ -163,14 +165,18 @@ class DrafterReplica(_message.Message):
     def __init__(self, address: _Optional[str] = ..., sessions: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class ListDraftersResponse(_message.Message):
-    __slots__ = ("replicas", "source", "last_scaling_decision")
+    __slots__ = ("replicas", "source", "last_scaling_decision", "starting", "pending")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     LAST_SCALING_DECISION_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[DrafterReplica]
     source: str
     last_scaling_decision: str
-    def __init__(self, replicas: _Optional[_Iterable[_Union[DrafterReplica, _Mapping]]] = ..., source: _Optional[str] = ..., last_scaling_decision: _Optional[str] = ...) -> None: ...
+    starting: int
+    pending: int
+    def __init__(self, replicas: _Optional[_Iterable[_Union[DrafterReplica, _Mapping]]] = ..., source: _Optional[str] = ..., last_scaling_decision: _Optional[str] = ..., starting: _Optional[int] = ..., pending: _Optional[int] = ...) -> None: ...
 
 class ListRequestsRequest(_message.Message):
     __slots__ = ()
