@@ -64,6 +64,32 @@ class GGUFEmbedding(torch.nn.Module):
         return self._dequantize(self.blocks, self.kind, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
 
 
+class RMSNorm(torch.nn.Module):
+    """Llama's RMSNorm in one kernel call (specdec/kernels/norm_cpu.cpp) where torch takes
+    seven small operations: the same formula, the sum of squares in float64."""
+
+    NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # y = w * (x * rsqrt(mean(x^2) + eps)) all
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+        self._norm = _kernels().rms_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x.float(), self.weight.float(), self.variance_epsilon).to(x.dtype)
+
+
+def replace_norms(model) -> int:
+    """Puts RMSNorm in place of the model's Llama-style norms; -> how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ in RMSNorm.NORMS:
+                setattr(parent, name, RMSNorm(child))
+                replaced += 1
+    return replaced
+
+
 def fuse(linears: list[GGUFLinear]) -> GGUFLinear | None:
     """Layers that read the same input as one: their block rows stacked (one kernel call)."""
     if not all(isinstance(m, GGUFLinear) for m in linears) or len({m.kind for m in linears}) > 1 \

@@ -231,7 +231,8 @@ def quantize(model, method: str):
         replaced = ggml.load_blocks(model, source)
         for parent in list(model.modules()):
             _share_inputs(parent, ggml.fuse)
-        log.info("%d layers run on the GGUF file's own blocks", replaced)
+        norms = ggml.replace_norms(model)
+        log.info("%d layers run on the GGUF file's own blocks, %d norms in one kernel each", replaced, norms)
     else:
         head = model.get_output_embeddings()
         for parent in list(model.modules()):

@@ -134,3 +134,20 @@ def test_the_default_target_rounds_equal_its_generate(numerics):
             assert got == want[len(ids):len(ids) + len(got)], text
     finally:
         engine.stop()
+
+
+def test_rms_norm_is_llamas_norm_row_by_row():
+    """The one-call norm against transformers' LlamaRMSNorm (within float32 rounding: its
+    sum of squares is float64), and each row the same bits alone and among others."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.randn(576)
+    x = torch.randn(1, 7, 576) * 3
+    ours = ggml.RMSNorm(norm)
+    torch.testing.assert_close(ours(x), norm(x), rtol=1e-6, atol=1e-6)
+    for t in range(7):
+        assert torch.equal(ours(x[:, t:t + 1])[0, 0], ours(x)[0, t])
+    model = torch.nn.Sequential(torch.nn.Linear(576, 576), LlamaRMSNorm(576))
+    assert ggml.replace_norms(model) == 1 and isinstance(model[1], ggml.RMSNorm)
