@@ -170,6 +170,14 @@ def service_flags(args) -> tuple[list[str], list[str]]:
 
 
 def up(args) -> int:
+    from specdec.server import taken
+
+    in_use = [f"specdec up: {HOST}:{port} is in use; choose another with {flag}" for flag, port in
+              (("--port", args.port), ("--admin-port", args.admin_port), ("--http-port", args.http_port))
+              if port and taken(HOST, port)]
+    if in_use:
+        print("\n".join(in_use), file=sys.stderr, flush=True)
+        return 2
     verifier_flags, drafter_flags = service_flags(args)
     services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device or "cpu",
                     args.overlap, verifier_flags=verifier_flags, drafter_flags=drafter_flags,

@@ -129,4 +129,5 @@ async def serve(args, on_listen=None) -> None:
 def main() -> None:
     args = build_parser().parse_args()
     flags.setup_logging(args.log_level, "drafter", args.log_format)
+    server.refuse_taken_ports("drafter", args)
     asyncio.run(serve(args))

@@ -507,6 +507,7 @@ async def serve(args, on_listen=None) -> None:
 def main() -> None:
     args = build_parser().parse_args()
     flags.setup_logging(args.log_level, "orchestrator", args.log_format)
+    server.refuse_taken_ports("orchestrator", args)
     try:
         asyncio.run(serve(args))
     except IncompatiblePair as err:

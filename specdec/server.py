@@ -6,6 +6,8 @@ import contextlib
 import inspect
 import logging
 import signal
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -165,6 +167,35 @@ class Security:
     credentials: grpc.ServerCredentials | None = None
     interceptors: tuple = ()
     health_port: int = 0  # a plaintext port with health only (0: none)
+
+
+PORT_FLAGS = (("--port", "host", "port"), ("--admin-port", "admin_host", "admin_port"),
+              ("--http-port", "host", "http_port"), ("--metrics-port", "host", "metrics_port"),
+              ("--health-port", "host", "health_port"))
+
+
+def taken(host: str, port: int) -> bool:
+    """Does something listen on host:port already? (A port left in TIME_WAIT is free.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def refuse_taken_ports(service: str, args) -> None:
+    """Every port the service's flags name, checked before it binds any: one in use ends
+    the process with a line that names its flag (exit 2), not a traceback after the
+    service said it listens on another."""
+    problems = [f"{service}: {getattr(args, host)}:{getattr(args, port)} is in use; choose another with {flag}"
+                for flag, host, port in PORT_FLAGS
+                if getattr(args, port, 0) and taken(getattr(args, host), getattr(args, port))]
+    if problems:
+        print("\n".join(problems), file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def create_server(host: str, port: int, credentials: grpc.ServerCredentials | None = None,

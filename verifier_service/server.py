@@ -152,4 +152,5 @@ def main() -> None:
     torch.set_grad_enabled(False)
     args = build_parser().parse_args()
     flags.setup_logging(args.log_level, "verifier", args.log_format)
+    server.refuse_taken_ports("verifier", args)
     asyncio.run(serve(args))
