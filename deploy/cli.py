@@ -202,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
               help='draft model (directory, hub id or .gguf), or "ngram" for prompt lookup')
     flags.add(p, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
     flags.add(p, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
+    flags.add(p, "--logs", env="SPECDEC_LOGS", default="specdec-up.log",
+              help='file the services\' logs are appended to; "-": this terminal')
     add_deployment_flags(p)
 
     g = sub.add_parser("generate", help="stream a completion from a running orchestrator")

@@ -5,7 +5,11 @@ set -euo pipefail
 PORT=${SPECDEC_PORT:-50051}
 PROMPT=${1:-"Write a short poem about the sea."}
 
-specdec up --port "$PORT" &
+LOG=${SPECDEC_LOGS:-specdec-up.log}
+
+# The services and the launcher write to the log: this terminal shows the answer alone.
+echo "demo: starting specdec up (logs in $LOG); the answer streams below" >&2
+specdec up --port "$PORT" --logs "$LOG" >>"$LOG" 2>&1 &
 UP=$!
 trap 'kill "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true' EXIT
 

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import grpc
@@ -142,9 +143,11 @@ def wait_serving(services: list[Service], timeout_s: float) -> None:
         time.sleep(0.3)
 
 
-def start(services: list[Service], env: dict | None = None) -> None:
+def start(services: list[Service], env: dict | None = None, log=None) -> None:
+    """log: a file the services write their output to (None: this process's terminal)."""
     for service in services:
-        service.process = subprocess.Popen(service.argv, env=env or os.environ.copy())
+        service.process = subprocess.Popen(service.argv, env=env or os.environ.copy(), stdout=log,
+                                           stderr=subprocess.STDOUT if log else None)
 
 
 def stop(services: list[Service], grace_s: float = 10.0) -> None:
@@ -190,11 +193,15 @@ def up(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # The services' logs go to a file, so that what a user reads in this terminal (an answer
+    # streamed beside it) is not interleaved with them; "-" keeps them here (containers).
+    log = None if args.logs == "-" else open(args.logs, "a", buffering=1)
+    where = "here" if log is None else f"to {Path(args.logs).resolve()}"
     print(f"specdec up: starting the verifier ({args.target}), {args.num_drafters} drafter(s) ({args.draft}) "
-          f"and the orchestrator; the first start of the default target converts it (about 30 s)",
-          file=sys.stderr, flush=True)
+          f"and the orchestrator; the first start of the default target converts it (about 30 s); their logs go "
+          f"{where}", file=sys.stderr, flush=True)
     try:
-        start(services)
+        start(services, log=log)
         wait_serving(services, args.startup_timeout)
         print(f"specdec is up: Generate at {services[-1].address} (admin: {services[-1].admin_address})",
               flush=True)
@@ -204,8 +211,8 @@ def up(args) -> int:
         while not stopping:
             for service in services:
                 if service.process.poll() is not None:
-                    print(f"specdec up: {service.name} exited with code {service.process.returncode}",
-                          file=sys.stderr)
+                    print(f"specdec up: {service.name} exited with code {service.process.returncode}"
+                          + ("" if log is None else f" (its log: {Path(args.logs).resolve()})"), file=sys.stderr)
                     return 1
             time.sleep(0.5)
         return 0
@@ -214,3 +221,5 @@ def up(args) -> int:
         return 1
     finally:
         stop(services)
+        if log is not None:
+            log.close()

@@ -27,17 +27,20 @@ HTTP_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def up():
+def up(tmp_path_factory):
     port = free_port()
+    logs = tmp_path_factory.mktemp("up") / "services.log"
     process = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "up", "--port", str(port),
-                                "--http-port", str(HTTP_PORT), "--admin-port", str(free_port())],
-                               stdout=subprocess.PIPE, text=True)
+                                "--http-port", str(HTTP_PORT), "--admin-port", str(free_port()), "--logs",
+                                str(logs)], stdout=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()  # the launcher prints its address once all serve
         assert f"127.0.0.1:{port}" in line, line
         line = process.stdout.readline()
         assert f"http://127.0.0.1:{HTTP_PORT}/v1" in line, line
         assert health_status(f"127.0.0.1:{port}") == health_pb2.HealthCheckResponse.SERVING
+        # The services' logs went to the file, not to the terminal the answer is read in.
+        assert all(f"{name} serving on" in logs.read_text() for name in ("verifier", "drafter", "orchestrator"))
         yield f"127.0.0.1:{port}"
     finally:
         process.terminate()
