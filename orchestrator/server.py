@@ -17,9 +17,10 @@ from opentelemetry import trace
 
 from specdec import flags, logs, modeling, sampling, security, server, tracing
 from specdec.common.v1 import common_pb2
-from specdec.errors import InvalidArgument, Overloaded, Precondition, ServiceError, Unavailable, abort
+from specdec.errors import InvalidArgument, Precondition, ServiceError, Unavailable, abort
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from orchestrator import discovery
+from orchestrator.admission import Admission
 from orchestrator.autoscale import Autoscaler, Policy
 from orchestrator import openai_api
 from orchestrator.endpoint import VerifierEndpoint
@@ -51,6 +52,7 @@ class Limits:
     verifier_timeout_s: float
     overlap: bool = False
     verifier_retry_s: float = 15.0
+    max_queued_requests: int = 256
 
 
 @dataclass
@@ -81,6 +83,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.costs = RoundCosts()  # what rounds cost here, learnt from every request
         self.tokenizer = None
         self.in_flight: dict[str, Flight] = {}  # by session id
+        self.admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests)
         self.closing: set[asyncio.Task] = set()
 
     def ready(self, tokenizer, verifier: VerifierEndpoint, pool: DrafterPool) -> None:
@@ -173,9 +176,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             if self.verifier.problem is not None:
                 raise Precondition(self.verifier.problem)
             req = self.parse(request)
-            if len(self.in_flight) >= self.limits.max_concurrent_requests:
-                raise Overloaded(f"{len(self.in_flight)} requests in flight, the limit is "
-                                 f"{self.limits.max_concurrent_requests}")
+            await self.admission.enter()  # a burst waits here for its turn
         except ServiceError as err:
             self.metrics.requests.labels("error", err.code.name).inc()
             await abort(context, err)
@@ -244,6 +245,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             span.set_attributes({"outcome": outcome, "code": code, "completion_tokens": len(text.ids)})
             span.end()
             del self.in_flight[session_id]
+            self.admission.leave()
             # Release both sessions even when the client cancelled this call.
             task = asyncio.ensure_future(self.close_sessions(req.label, drafter, verifier))
             self.closing.add(task)
@@ -412,7 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--max-new-tokens-limit", env="SPECDEC_MAX_NEW_TOKENS_LIMIT", type=int, default=4096,
         help="largest max_new_tokens a request may ask for")
     add(parser, "--max-concurrent-requests", env="SPECDEC_MAX_CONCURRENT_REQUESTS", type=int, default=64,
-        help="requests in flight before RESOURCE_EXHAUSTED")
+        help="requests generating at once; more wait their turn (first come, first served)")
+    add(parser, "--max-queued-requests", env="SPECDEC_MAX_QUEUED_REQUESTS", type=int, default=256,
+        help="requests waiting for their turn before RESOURCE_EXHAUSTED (a waiting call's deadline still "
+             "bounds its wait); see orchestrator/admission.py")
     add(parser, "--drafter-timeout", env="SPECDEC_DRAFTER_TIMEOUT", type=float, default=10.0,
         help="seconds one Propose call may take before the drafter counts as failed")
     add(parser, "--verifier-timeout", env="SPECDEC_VERIFIER_TIMEOUT", type=float, default=60.0,
@@ -428,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args, on_listen=None) -> None:
     limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
                     args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests,
-                    args.drafter_timeout, args.verifier_timeout, args.overlap, args.verifier_retry_timeout)
+                    args.drafter_timeout, args.verifier_timeout, args.overlap, args.verifier_retry_timeout,
+                    args.max_queued_requests)
     tracing.setup("orchestrator", args.otlp_endpoint)
     metrics = OrchestratorMetrics()
     metrics.serve(args.host, args.metrics_port)

@@ -114,3 +114,26 @@ def test_sampled_outputs_do_not_depend_on_the_batch(tiny_cluster, tiny_pair, smo
         together = dict(zip(seeds, pool.map(run, seeds)))
     assert together == alone
     assert len({tuple(t) for t in alone.values()}) > 1
+
+
+def test_a_burst_above_the_running_limit_waits_its_turn(tiny_cluster, tiny_pair, cases):
+    """10 requests at once against an orchestrator that runs 2 at a time: the others wait
+    (first come, first served) and every one is served exact (before, 8 were answered
+    RESOURCE_EXHAUSTED at once)."""
+    from cluster import orchestrator
+
+    roles = tiny_cluster.roles
+    limited = orchestrator(roles["verifier"], [roles["ngram-drafter"]], tiny_pair[0], "orchestrator-limited",
+                           extra=["--max-concurrent-requests", "2", "--max-queued-requests", "8"])
+    tiny_cluster.start(limited)
+    stub = tiny_cluster.orchestrator_stub(limited)
+    burst = threading.Barrier(10)
+
+    def one(i):
+        ids, want = cases[i % len(cases)]
+        burst.wait()
+        _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW, timeout=120)
+        return list(result.token_ids) == want
+
+    with ThreadPoolExecutor(10) as pool:
+        assert all(pool.map(one, range(10)))
