@@ -97,6 +97,19 @@ class Cluster:
             listing = self.verifier_stub(service).ListSessions(verifier_pb2.ListSessionsRequest(), timeout=5)
         return {s.session_id for s in listing.sessions}
 
+    def kv_blocks_used(self, service: Service) -> float:
+        """KV blocks the service's sessions hold now, from its metrics (0 without a pool or a
+        metrics port)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        if not service.metrics_port:
+            return 0.0
+        text = urllib.request.urlopen(f"http://{HOST}:{service.metrics_port}/metrics", timeout=5).read().decode()
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == "specdec_kv_blocks_used")
+
     def close_session(self, service: Service, session_id: str) -> bool:
         """Makes a drafter or verifier forget a session (as a restart would)."""
         if "drafter" in service.name:

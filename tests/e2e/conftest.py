@@ -1,6 +1,7 @@
 import pytest
 
 from cluster import Cluster, drafter, orchestrator, verifier
+from deploy.launch import free_port
 
 
 @pytest.fixture(scope="package")
@@ -10,8 +11,11 @@ def tiny_cluster(tiny_pair):
     drafting with verification on the model drafter."""
     target_dir, draft_dir, _ = tiny_pair
     cluster = Cluster()
-    v = verifier(target_dir)
-    model_drafter, ngram_drafter = drafter(draft_dir, "model-drafter"), drafter(None, "ngram-drafter")
+    v = verifier(target_dir, extra=["--metrics-port", str(metrics := free_port())])
+    v.metrics_port = metrics
+    model_drafter = drafter(draft_dir, "model-drafter", extra=["--metrics-port", str(metrics := free_port())])
+    model_drafter.metrics_port = metrics
+    ngram_drafter = drafter(None, "ngram-drafter")
     hybrid_drafter = drafter(draft_dir, "hybrid-drafter", proposer="hybrid")
     cluster.start(v, model_drafter, ngram_drafter, hybrid_drafter)
     with_model = orchestrator(v, [model_drafter], target_dir, "orchestrator-model")

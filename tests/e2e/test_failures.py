@@ -20,11 +20,25 @@ def long_case(tiny_pair, smol_tokenizer):
     return ids, want
 
 
-def released(cluster, session_id: str, *services) -> bool:
-    """None of the services holds the session any more. (Wait first: the orchestrator
-    releases sessions right after the call ends, not before it answers.)"""
-    time.sleep(0.5)
-    return not any(session_id in cluster.sessions(service) for service in services)
+def released(cluster, session_id: str, *services, blocks_before: dict | None = None, wait_s: float = 15) -> bool:
+    """None of the services holds the session any more, and with `blocks_before` (KV blocks
+    used per service before the request), their pools hold no more blocks than then.
+    Polled until `wait_s`: the orchestrator releases sessions right after the call ends,
+    not before it answers."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        held = any(session_id in cluster.sessions(service) for service in services)
+        leaked = blocks_before is not None and any(cluster.kv_blocks_used(service) > blocks_before[service.name]
+                                                   for service in services)
+        if not held and not leaked:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def blocks_used(cluster, *services) -> dict:
+    return {service.name: cluster.kv_blocks_used(service) for service in services}
 
 
 def start(cluster, orchestrator, label: str, **fields) -> tuple[Stream, str]:
@@ -80,10 +94,14 @@ def test_sessions_released_after_complete(tiny_cluster, long_case):
 @pytest.mark.parametrize("role", ["model", "overlap"])
 def test_sessions_released_after_client_cancel(tiny_cluster, long_case, role):
     roles = tiny_cluster.roles
+    before = blocks_used(tiny_cluster, roles["model-drafter"], roles["verifier"])
     stream, session = start(tiny_cluster, roles[role], f"cancel-{role}", token_ids=pb.TokenIds(ids=long_case[0]),
                             max_new_tokens=LONG)
+    during = blocks_used(tiny_cluster, roles["model-drafter"], roles["verifier"])
+    assert all(during[name] > before[name] for name in before)  # the metric sees the request's blocks
     stream.call.cancel()
-    assert released(tiny_cluster, session, roles["model-drafter"], roles["verifier"])
+    # Its KV blocks went back too, on both services (checked in their metrics).
+    assert released(tiny_cluster, session, roles["model-drafter"], roles["verifier"], blocks_before=before)
     # The label can be used again.
     generate(tiny_cluster.orchestrator_stub(roles[role]), request_id=f"cancel-{role}", text="Hello", max_new_tokens=4)
 

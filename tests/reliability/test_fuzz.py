@@ -22,7 +22,7 @@ from specdec.orchestrator.v1 import orchestrator_pb2 as pb  # noqa: E402
 from specdec.verifier.v1 import verifier_pb2  # noqa: E402
 
 # Answers a service may give on purpose. UNKNOWN (an exception that escaped a handler),
-# INTERNAL on a well-formed message, UNAVAILABLE from a live service: bugs.
+# INTERNAL, UNAVAILABLE from a live service: bugs.
 DELIBERATE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
               grpc.StatusCode.RESOURCE_EXHAUSTED}
 VOCAB = 49152
@@ -203,12 +203,13 @@ def test_any_message_gets_a_deliberate_answer(fuzz_cluster, method, descriptor, 
     def check(payload):
         code = call(channel, method, payload, streaming)
         seen[code.name] = seen.get(code.name, 0) + 1
-        if code == grpc.StatusCode.INTERNAL:
-            # Only bytes that do not parse as the request may be refused so.
-            try:
-                message_factory.GetMessageClass(descriptor).FromString(payload)
-            except Exception:
-                return
+        try:
+            message_factory.GetMessageClass(descriptor).FromString(payload)
+        except Exception:
+            # Bytes that are not the method's message: INVALID_ARGUMENT, from the services'
+            # interceptor (specdec.server.MalformedRequests), never gRPC's INTERNAL.
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, payload)
+            return
         assert code in DELIBERATE, (code, payload)
 
     check()
