@@ -1,6 +1,7 @@
 """Real service processes on loopback for end-to-end tests."""
 
 import os
+import time
 import sys
 
 import grpc
@@ -49,6 +50,17 @@ def orchestrator(verifier: Service, drafters: list[Service], tokenizer, name="or
                                 "--drafters", ",".join(d.address for d in drafters),
                                 "--tokenizer", str(tokenizer), "--startup-timeout", "120", *extra],
                    admin_port=admin_port)
+
+
+def eventually(check, timeout_s: float = 15.0, interval_s: float = 0.05):
+    """Polls check() until it returns something true (returned) or the deadline passes
+    (AssertionError): waiting on the event itself, not a sleep that may be too short or
+    pass by luck."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {getattr(check, '__doc__', '') or check}"
+        time.sleep(interval_s)
+    return result
 
 
 class Cluster:

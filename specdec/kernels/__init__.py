@@ -1,5 +1,5 @@
 """Compiled kernels, built once per machine on first use (a C++ compiler is needed; about
-a minute) and kept in the cache directory."""
+two minutes on 2 cores) and kept in the cache directory."""
 
 import functools
 import hashlib

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import Cluster, drafter, generate, orchestrator, pb, verifier
+from cluster import Cluster, drafter, eventually, generate, orchestrator, pb, verifier
 from deploy.launch import HOST, free_port
 
 PROMPTS = ["Counting sheep", "The harbour at dawn", "Instructions for a kite", "Notes on the weather"]
@@ -48,7 +48,8 @@ def metered(tiny_pair, smol_tokenizer):
         ids = smol_tokenizer(prompt)["input_ids"]
         results.append((len(ids), generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=30,
                                            num_speculative_tokens=1 + i % 4)[1]))
-    time.sleep(0.5)  # the sessions close right after each Result
+    for service in (v, d):  # the sessions close right after each Result
+        eventually(lambda: not cluster.sessions(service))
     yield cluster, {"verifier": v, "drafter": d, "orchestrator": o}, ports, results
     cluster.close()
 

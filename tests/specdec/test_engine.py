@@ -181,11 +181,14 @@ def test_memory_admission_waits_and_preempts_by_recompute(models):
 def test_cancel_leaves_the_session_consistent(models):
     eng = engine(models, max_batch_tokens=16)
     seq = eng.new_sequence()
-    seq.sync(0, tokens(100, 6))
+    seq.sync(0, tokens(400, 6))  # 25 chunks: the cancel lands inside one
 
     async def go():
         task = asyncio.ensure_future(eng.forward(seq, 1))
-        await asyncio.sleep(0.002)
+        deadline = asyncio.get_running_loop().time() + 10
+        while not any(w.in_pass for w in list(eng.queue)):  # cancel it inside a pass: the path under test
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -400,7 +403,8 @@ def test_a_decode_closed_at_its_yield_stops_before_its_closer_returns(models):
     from verifier_service.acceptance import decode
 
     eng = engine(models)
-    seq = eng.new_sequence()
+    seq, other = eng.new_sequence(), eng.new_sequence()
+    other.sync(0, tokens(8, 6))
     prompt = tokens(20, 5)
     request = verifier_pb2.DecodeRequest(start=0, new_tokens=prompt, max_tokens=200)
 
@@ -410,7 +414,9 @@ def test_a_decode_closed_at_its_yield_stops_before_its_closer_returns(models):
         await stream.aclose()  # GeneratorExit at its yield, as a cancelled call's stream gets
         assert not eng.queue
         held = len(seq.tokens)
-        await asyncio.sleep(0.2)  # passes would have run by now
+        for _ in range(2):  # passes run after the close: a decode still queued would have joined them
+            await other.logits(1)
+            other.extend([7])
         assert len(seq.tokens) == held >= 20 + 3  # it may have run ahead of its reader, not on
         return got
 
