@@ -173,7 +173,7 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
                    "otherwise (hybrid), or the model alone")
     flags.add(p, "--quantize", env="SPECDEC_QUANTIZE", default="auto", choices=["auto", "gguf", "int8", "none"],
               help="CPU numerics, exact against the target alone with the same numerics. gguf: a .gguf model's "
-                   "own blocks (the default target's), float32 activations; int8: int8 weights and "
+                   "own blocks (the default target's), activations in 16-bit integers per block of 32; int8: int8 weights and "
                    "activations; auto: gguf where the model is a .gguf file we multiply, else int8 on a CPU, "
                    "none on a GPU")
     flags.add(p, "--device", env="SPECDEC_DEVICE", default=None,

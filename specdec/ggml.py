@@ -3,12 +3,13 @@
 The model is built the usual way (transformers de-quantizes the file once into a model
 directory, `specdec.modeling`); then every linear layer and the embedding whose GGUF
 tensor is in a block type we multiply (Q4_0, Q4_1, Q8_0) give up their float32 weight
-for the file's blocks, and run through `specdec/kernels/gguf_cpu.cpp`: float32
-activations times the blocks de-quantized in registers. Nothing is re-quantized: the
-weights are the published model's to the bit (checked here, block by block, against
-what transformers de-quantized), at the blocks' bytes (Q4_1: 5 bits a weight, against
-8 for our int8 and 32 for float32). Only the order of float sums differs from the
-float32 model.
+for the file's blocks, and run through `specdec/kernels/gguf_cpu.cpp`. Nothing is
+re-quantized: the weights are the published model's to the bit (checked here, block by
+block, against what transformers de-quantized), at the blocks' bytes (Q4_1: 5 bits a
+weight, against 8 for our int8 and 32 for float32). The activations are rounded to
+16-bit integers per block of 32 (at most 2^-16 of the block's largest value off; llama.cpp
+rounds them to 8 bits), so a block's products are exact integer sums: that, and the order
+of float sums, is all that differs from the published float32 model.
 
 llama.cpp's converter stores the q and k projections of Llama-style models with their
 rows permuted (its rotary layout); the rows are put back here, whole blocks at a time."""

@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from specdec import kernels
 from specdec.engine.attention import Abandoned, check_supported
 from specdec.engine.block_manager import BlockManager, KVPool
 from specdec.engine.model_runner import ModelRunner
@@ -218,6 +219,7 @@ class Engine:
         # change of the default (one_thread_outside_engines) leaves this thread's alone.
         torch.get_num_threads()
         torch.set_num_threads(self.threads)
+        kernels.take_threads()  # and the kernels take it too, before the default can change
         threads_set.set()
         coming: set[PagedSequence] = set()  # sessions of the last pass that said they would be back
         while True:

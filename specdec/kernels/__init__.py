@@ -50,6 +50,13 @@ def cpu():
     return module
 
 
+def take_threads() -> int | None:
+    """Makes the kernels run on the calling thread's torch.set_num_threads (see module.cpp's
+    take_threads); call it right after that, in the thread. -> the count, or None where the
+    kernels are not loaded."""
+    return cpu().take_threads() if cpu.cache_info().currsize else None
+
+
 def _cpu_flags() -> str:
     try:
         for line in open("/proc/cpuinfo"):

@@ -7,9 +7,19 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_p
                         torch::Tensor rows, torch::Tensor lengths, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 
+// ATen takes a thread's count of threads from torch's process-wide setting at the thread's
+// first parallel call, once per shared library: this module's own first call in a thread
+// can undo what torch.set_num_threads set for that thread, if another thread has changed
+// the setting since. Make that first call now.
+int64_t take_threads() {
+  at::internal::lazy_init_num_threads();
+  return at::get_num_threads();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x [M, K] float32 @ GGUF blocks [N, K]^T -> [M, N] (gguf_cpu.cpp)");
   m.def("dequantize", &dequantize, "rows of GGUF blocks -> float32 (gguf_cpu.cpp)");
   m.def("attention", &attention, "each new token attending its row's pool slots, in float64 (attention_cpu.cpp)");
+  m.def("take_threads", &take_threads, "fixes this thread's torch.set_num_threads for these kernels; -> the count");
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, the sum of squares in float64 (norm_cpu.cpp)");
 }

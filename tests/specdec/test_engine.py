@@ -474,14 +474,16 @@ def test_a_decode_whose_reader_left_abandons_its_pass_at_the_next_layer(models):
 THREADS_SCRIPT = """
 import threading, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from specdec import engine
+from specdec import engine, quantize
 
 engine.one_thread_outside_engines()
 model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2)).eval()
+quantize.quantize(model, "int8")  # attention in float64: our kernel, a library of its own
 in_pass = []
 model.model.norm.register_forward_hook(lambda *_: in_pass.append(torch.get_num_threads()))
 eng = engine.Engine(model, 1 << 20, threads=2)
+assert eng.runner.kernel is not None
 seq = eng.new_sequence()
 seq.sync(0, [1, 2, 3])
 eng.forward_now(seq, 1)
@@ -496,7 +498,9 @@ print(in_pass[0], torch.get_num_threads(), later[0])
 def test_only_the_engines_thread_runs_a_pass_on_several_cores():
     # In a process of its own: it changes torch's threads for the whole process. A pass
     # runs on the threads asked for; the thread that made the engine, and a thread
-    # started after it, run on one (a second OpenMP pool would slow every pass).
+    # started after it, run on one (a second OpenMP pool would slow every pass). The
+    # count holds after the pass's first call into our kernels, whose library reads it
+    # lazily from the process-wide setting (it read 1, the default set meanwhile).
     done = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2", "1", "1"]

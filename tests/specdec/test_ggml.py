@@ -1,7 +1,7 @@
 """A GGUF model on its own blocks (`--quantize gguf`): the kernels de-quantize exactly
 what gguf's reference code does, a row's result does not depend on the rows beside it,
-and the default target on its blocks is the published float32 model but for the order
-of float sums, and exact through the engine against its own `generate`."""
+and the default target on its blocks is the published float32 model but for activations
+rounded to 16 bits per block, and exact through the engine against its own `generate`."""
 
 import numpy as np
 import pytest
@@ -65,12 +65,29 @@ def test_a_row_gives_the_same_result_alone_or_among_others(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_product_is_the_float_product_of_the_published_weights(kind):
+def test_the_product_is_the_published_weights_times_activations_rounded_to_16_bits(kind):
     blocks = random_blocks(kind, 64, 128, seed=10 + kind)
-    x = torch.randn(5, 128)
-    want = x.double() @ reference_dequantize(blocks, kind).double().T
-    got = ggml.GGUFLinear(blocks, kind, 128)(x)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.manual_seed(kind)
+    x = torch.randn(5, 128) * torch.tensor([1, 0.01, 100, 1, 1])[:, None]
+    x[3, 32:64] = 0  # a block of zeros
+    w = reference_dequantize(blocks, kind).double()
+    want = x.double() @ w.T
+    got = ggml.GGUFLinear(blocks, kind, 128)(x).double()
+    # Each activation is off by at most half its block's step (the block's largest magnitude
+    # / 32767); float32 sums add their own rounding on top.
+    step = x.reshape(5, -1, 32).abs().amax(-1).double().repeat_interleave(32, -1) / 32767
+    bound = 0.5 * step @ w.abs().T + 1e-6 * (x.double().abs() @ w.abs().T)
+    assert ((got - want).abs() <= bound).all()  # rounding to 8 bits would be some 26x over it
+
+
+def test_a_row_that_is_not_finite_gives_nan_and_leaves_its_neighbours_alone():
+    layer = ggml.GGUFLinear(random_blocks(ggml.Q4_1, 16, 64), ggml.Q4_1, 64)
+    x = torch.randn(3, 64)
+    clean = layer(x)
+    x[0, 40], x[2, 5] = float("nan"), float("inf")
+    got = layer(x)
+    assert got[0].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[1], clean[1])
 
 
 def test_fused_layers_take_their_own_columns():
@@ -100,8 +117,9 @@ def test_the_default_target_runs_on_its_own_blocks(default_target):
     with torch.no_grad():
         got = model(torch.tensor([ids])).logits[0]
         want = reference(torch.tensor([ids])).logits[0]
-    # The published float32 model, but for the order of float sums
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3)
+    # The published float32 model, but for activations rounded to 16 bits (logits some 6e-3
+    # off; float32 alone, 2e-3) and the order of float sums
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-2)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
