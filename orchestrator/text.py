@@ -48,11 +48,16 @@ class TextStream:
 
     def _advance(self):
         """Moves the window up to CONTEXT tokens behind the end, where the text is settled:
-        to an anchor whose context decodes as the start of the window."""
+        to an anchor whose context decodes as the start of the window. Only once the
+        window has grown by CONTEXT tokens: a move costs two decodes."""
+        if len(self.ids) - self.anchor < 2 * CONTEXT:
+            return
         for anchor in range(len(self.ids) - CONTEXT, max(self.anchor, len(self.ids) - 2 * CONTEXT), -1):
             start = max(0, anchor - CONTEXT)
             context, window = self._decode(self.ids[start:anchor]), self._decode(self.ids[start:])
-            if window.startswith(context) and self.text.endswith(window[len(context):]):
+            # U+FFFD is text not settled: SentencePiece's byte fallback decodes a run of
+            # byte tokens as a whole, so a broken one spreads to the run's whole bytes.
+            if "\ufffd" not in window and window.startswith(context) and self.text.endswith(window[len(context):]):
                 self.anchor, self.context = anchor, context
                 self.kept = len(self.text) - (len(window) - len(context))
                 return
