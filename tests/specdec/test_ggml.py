@@ -77,7 +77,7 @@ def test_the_product_is_the_published_weights_times_activations_rounded_to_16_bi
     # / 32767); float32 sums add their own rounding on top.
     step = x.reshape(5, -1, 32).abs().amax(-1).double().repeat_interleave(32, -1) / 32767
     bound = 0.5 * step @ w.abs().T + 1e-6 * (x.double().abs() @ w.abs().T)
-    assert ((got - want).abs() <= bound).all()  # rounding to 8 bits would be some 26x over it
+    assert ((got - want).abs() <= bound).all()  # rounding to 8 bits: 94-97% of outputs over it, by 11-12x (median)
 
 
 def test_a_row_that_is_not_finite_gives_nan_and_leaves_its_neighbours_alone():
