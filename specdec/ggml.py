@@ -9,7 +9,9 @@ block, against what transformers de-quantized), at the blocks' bytes (Q4_1: 5 bi
 weight, against 8 for our int8 and 32 for float32). The activations are rounded to
 16-bit integers per block of 32 (at most 2^-16 of the block's largest value off; llama.cpp
 rounds them to 8 bits), so a block's products are exact integer sums: that, and the order
-of float sums, is all that differs from the published float32 model.
+of float sums, is all that differs from the published float32 model. The blocks are
+rearranged once, 8 rows side by side (`pack`): the same bytes, in the order the kernel
+reads them.
 
 llama.cpp's converter stores the q and k projections of Llama-style models with their
 rows permuted (its rotary layout); the rows are put back here, whole blocks at a time."""
@@ -33,17 +35,20 @@ def _kernels():
 
 
 class GGUFLinear(torch.nn.Module):
-    """y = x Wᵀ (+ b) with W as GGUF blocks: [out_features, in_features / 32 blocks]."""
+    """y = x Wᵀ (+ b) with W as GGUF blocks: the file's [out_features, in_features / 32
+    blocks], or (`rows` given) already in the kernels' packed layout (`pack`)."""
 
-    def __init__(self, blocks: torch.Tensor, kind: int, in_features: int, bias: torch.Tensor | None = None):
+    def __init__(self, blocks: torch.Tensor, kind: int, in_features: int, bias: torch.Tensor | None = None,
+                 rows: int | None = None):
         super().__init__()
-        self.register_buffer("blocks", blocks.contiguous())  # [out, bytes] uint8
+        self.register_buffer("packed", blocks if rows is not None else pack(blocks, kind))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
+        self.kind, self.in_features = kind, in_features
+        self.out_features = rows if rows is not None else blocks.shape[0]
         self._matmul = _kernels().matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x.reshape(-1, self.in_features).float(), self.blocks, self.kind)
+        y = self._matmul(x.reshape(-1, self.in_features).float(), self.packed, self.kind, self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -53,16 +58,24 @@ class GGUFLinear(torch.nn.Module):
 
 
 class GGUFEmbedding(torch.nn.Module):
-    """An embedding whose rows are GGUF blocks, de-quantized as they are looked up."""
+    """An embedding whose rows are GGUF blocks (packed, `pack`), de-quantized as they are
+    looked up."""
 
-    def __init__(self, blocks: torch.Tensor, kind: int, dim: int):
+    def __init__(self, packed: torch.Tensor, kind: int, dim: int, rows: int):
         super().__init__()
-        self.register_buffer("blocks", blocks.contiguous())
-        self.kind, self.embedding_dim, self.num_embeddings = kind, dim, blocks.shape[0]
+        self.register_buffer("packed", packed)
+        self.kind, self.embedding_dim, self.num_embeddings = kind, dim, rows
         self._dequantize = _kernels().dequantize
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._dequantize(self.blocks, self.kind, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+        return self._dequantize(self.packed, self.kind, self.num_embeddings,
+                                ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+
+
+def pack(blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """The file's blocks [rows, bytes] in the kernels' layout: rows in groups of 8, their
+    integers interleaved (specdec/kernels/gguf_cpu.cpp). The same bytes, rearranged."""
+    return _kernels().pack(blocks, kind)
 
 
 class RMSNorm(torch.nn.Module):
@@ -92,11 +105,13 @@ def replace_norms(model) -> int:
 
 
 def fuse(linears: list[GGUFLinear]) -> GGUFLinear | None:
-    """Layers that read the same input as one: their block rows stacked (one kernel call)."""
+    """Layers that read the same input as one: their block rows stacked (one kernel call).
+    The packed groups of 8 rows stack where every layer but the last fills its groups."""
     if not all(isinstance(m, GGUFLinear) for m in linears) or len({m.kind for m in linears}) > 1 \
-            or any(m.bias is not None for m in linears):
+            or any(m.bias is not None for m in linears) or any(m.out_features % 8 for m in linears[:-1]):
         return None
-    return GGUFLinear(torch.cat([m.blocks for m in linears]), linears[0].kind, linears[0].in_features)
+    return GGUFLinear(torch.cat([m.packed for m in linears]), linears[0].kind, linears[0].in_features,
+                      rows=sum(m.out_features for m in linears))
 
 
 def _rotary_permutation(rows: int, heads: int) -> torch.Tensor:
@@ -115,21 +130,22 @@ def _tensors(path: Path) -> tuple[str, dict]:
 
 
 def _blocks_of(weight: torch.Tensor, tensor, config, name: str) -> torch.Tensor | None:
-    """The file's blocks for `weight` [out, in], rows in the model's order; None when the
-    tensor is in another type or does not hold these weights exactly."""
+    """The file's blocks for `weight` [out, in], rows in the model's order, packed (`pack`);
+    None when the tensor is in another type or does not hold these weights exactly."""
     kind = int(tensor.tensor_type)
     if kind not in TYPES or tuple(tensor.data.shape)[0] != weight.shape[0] or weight.shape[1] % 32:
         return None
     blocks = torch.from_numpy(np.array(tensor.data))  # a copy: the file's map is read-only
-    held = _kernels().dequantize(blocks, kind, torch.arange(blocks.shape[0]))
+    rows = blocks.shape[0]
+    held = _kernels().dequantize(pack(blocks, kind), kind, rows, torch.arange(rows))
     heads = {config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
     candidates = [None] + [_rotary_permutation(weight.shape[0], h) for h in sorted(heads)
                            if weight.shape[0] % (2 * h) == 0]
     for order in candidates:
         if order is None and torch.equal(held, weight):
-            return blocks
+            return pack(blocks, kind)
         if order is not None and torch.equal(held[order.argsort()], weight):
-            return blocks[order.argsort()].contiguous()
+            return pack(blocks[order.argsort()], kind)
     log.warning("%s: the GGUF tensor %s does not hold the model's weights; it stays float32", name, tensor.name)
     return None
 
@@ -164,7 +180,7 @@ def load_blocks(model, path: str) -> int:
                                      model.config.num_hidden_layers)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
-    replaced, made = 0, {}  # made: the blocks of each file tensor (a tied head shares the embedding's)
+    replaced, made = 0, {}  # made: the packed blocks of each file tensor (a tied head shares the embedding's)
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             is_head = child is head
@@ -180,14 +196,14 @@ def load_blocks(model, path: str) -> int:
             weight = child.weight.detach().float()
             if file_name not in made:
                 made[file_name] = _blocks_of(weight, tensors[file_name], model.config, full)
-            blocks = made[file_name]
-            if blocks is None:
+            packed = made[file_name]
+            if packed is None:
                 continue
-            kind = int(tensors[file_name].tensor_type)
+            kind, rows = int(tensors[file_name].tensor_type), weight.shape[0]
             if isinstance(child, torch.nn.Embedding):
-                module = GGUFEmbedding(blocks, kind, weight.shape[1])
+                module = GGUFEmbedding(packed, kind, weight.shape[1], rows)
             else:
-                module = GGUFLinear(blocks, kind, weight.shape[1], getattr(child, "bias", None))
+                module = GGUFLinear(packed, kind, weight.shape[1], getattr(child, "bias", None), rows=rows)
             setattr(parent, child_name, module)
             replaced += 1
     return replaced

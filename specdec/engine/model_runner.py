@@ -1,10 +1,11 @@
 """The one place that turns a pass's rows into batched tensors and runs the model."""
 
+import functools
 import logging
 
 import torch
 
-from specdec.engine.attention import ATTENTION, Group, Plan, paged_attention
+from specdec.engine.attention import ATTENTION, Abandoned, Group, Plan, paged_attention
 from specdec.engine.block_manager import KVPool
 from specdec.engine.scheduler import Row
 from specdec.quantize import attention_dtype
@@ -21,6 +22,8 @@ class ModelRunner:
         self.attention_dtype = attention_dtype(model, model.dtype)
         self.kernel = _cpu_attention(model, self.attention_dtype)
         self.forward = _llama_forward if _is_llama(model) else _transformers_forward
+        if self.forward is _llama_forward and self.kernel is not None and (layers := _layer_kernel_arguments(model)):
+            self.forward = functools.partial(_layer_kernel_forward, layers)
 
     def run(self, batch: list[Row]) -> torch.Tensor:
         """One forward over every row's next tokens; -> logits of the wanted positions
@@ -151,3 +154,46 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
         else:
             h = h + mlp(x)
     return model.lm_head(inner.norm(h)[:, keep])
+
+
+def _layer_kernel_arguments(model) -> list[tuple] | None:
+    """What specdec/kernels/layer_cpu.cpp's `llama_layer` takes of each decoder layer of a
+    Llama model on GGUF blocks (q, k and v as one product; gate and up as one; the norms
+    in their kernel; silu), or None where a layer is otherwise: _llama_forward runs it."""
+    from specdec import ggml
+
+    config, layers = model.config, []
+    if getattr(config, "hidden_act", None) != "silu":
+        return None
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = getattr(attn, "shared_q_k_v", None), getattr(mlp, "shared_gate_up", None)
+        linears = [qkv and qkv.linear, attn.o_proj, gate_up and gate_up.linear, mlp.down_proj]
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if not all(isinstance(m, ggml.GGUFLinear) and m.bias is None for m in linears) \
+                or not all(isinstance(n, ggml.RMSNorm) and n.weight.dtype == torch.float32 for n in norms) \
+                or norms[0].variance_epsilon != norms[1].variance_epsilon:
+            return None
+        sizes = [config.num_attention_heads, (qkv.columns[2][1] - qkv.columns[2][0]) // attn.head_dim, attn.head_dim,
+                 mlp.down_proj.in_features]
+        layers.append(([n.weight for n in norms], norms[0].variance_epsilon, [m.packed for m in linears],
+                       [m.kind for m in linears], sizes, attn.scaling))
+    return layers
+
+
+def _layer_kernel_forward(layers: list[tuple], model, ids, positions, keep, plan: Plan) -> torch.Tensor:
+    """_llama_forward with each decoder layer in one kernel call (`llama_layer`): the same
+    operations on each element, so the same bits; about a fifth of the pass went to the
+    Python and small operations between the products."""
+    from specdec.kernels import cpu
+
+    layer_kernel, inner = cpu().llama_layer, model.model
+    h = inner.embed_tokens(ids)  # [1, T, hidden]
+    cos, sin = inner.rotary_emb(h, positions)
+    cos, sin, h = cos[0].contiguous(), sin[0].contiguous(), h[0]
+    for i, (norms, eps, weights, kinds, sizes, scaling) in enumerate(layers):
+        if plan.abandoned():
+            raise Abandoned  # before this layer writes: the rows' caches stay as they were before the pass
+        h = layer_kernel(h, cos, sin, norms, eps, weights, kinds, sizes, plan.pool.k[i], plan.pool.v[i],
+                         plan.write_slots, *plan.table, scaling)
+    return model.lm_head(inner.norm(h[None])[:, keep])

@@ -16,15 +16,16 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 
 
-SOURCES = ("gguf_cpu.cpp", "attention_cpu.cpp", "norm_cpu.cpp", "module.cpp")
+SOURCES = ("gguf_cpu.cpp", "attention_cpu.cpp", "norm_cpu.cpp", "layer_cpu.cpp", "module.cpp")
 
 
 @functools.cache
 def cpu():
-    """The CPU kernels, one module: the GGUF block products (gguf_cpu.cpp), `matmul(x,
-    blocks, type)` and `dequantize(blocks, type, ids)`; the engine's float64 paged
+    """The CPU kernels, one module: the GGUF block products (gguf_cpu.cpp), `pack(blocks,
+    type)`, `matmul(x, packed, type, rows)` and `dequantize(packed, type, rows, ids)`; the engine's float64 paged
     attention (attention_cpu.cpp), `attention(q, k_pool, v_pool, slots, rows, lengths, scale)`;
-    Llama's RMSNorm (norm_cpu.cpp), `rms_norm(x, weight, eps)`."""
+    Llama's RMSNorm (norm_cpu.cpp), `rms_norm(x, weight, eps)`; a Llama decoder layer on
+    GGUF blocks from those parts (layer_cpu.cpp), `llama_layer(...)`."""
     from torch.utils import cpp_extension
 
     from specdec.modeling import cache_root

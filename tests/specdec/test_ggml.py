@@ -37,12 +37,16 @@ def reference_dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_blocks_dequantize_as_ggufs_reference_code(kind):
-    blocks = random_blocks(kind, 24, 96)
-    kernels = ggml._kernels()
-    assert torch.equal(kernels.dequantize(blocks, kind, torch.arange(24)), reference_dequantize(blocks, kind))
-    ids = torch.tensor([[3, 0], [23, 3]])
-    embedding = ggml.GGUFEmbedding(blocks, kind, 96)
+    blocks = random_blocks(kind, 21, 96)  # a last group of 5 rows, padded to 8
+    packed = ggml.pack(blocks, kind)
+    assert packed.numel() == 24 * blocks.shape[1]  # the file's bytes, rearranged, and the padding's
+    assert torch.equal(ggml._kernels().dequantize(packed, kind, 21, torch.arange(21)),
+                       reference_dequantize(blocks, kind))
+    ids = torch.tensor([[3, 0], [20, 3]])
+    embedding = ggml.GGUFEmbedding(packed, kind, 96, 21)
     assert torch.equal(embedding(ids), reference_dequantize(blocks, kind)[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        embedding(torch.tensor([21]))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -150,6 +154,40 @@ def test_the_default_target_rounds_equal_its_generate(numerics):
                 got += engine.forward_now(seq, 4)[0].argmax(-1).tolist()
             engine.release(seq)
             assert got == want[len(ids):len(ids) + len(got)], text
+    finally:
+        engine.stop()
+
+
+def test_each_layer_in_one_kernel_call_gives_the_python_pass_bits():
+    """The engine's pass of the default target on its blocks, each decoder layer in one
+    kernel call (layer_cpu.cpp), against its Python pass of the same modules
+    (_llama_forward): the same logits, bit for bit, for rows of several lengths in one
+    pass, and for one decode step."""
+    from specdec.engine import model_runner
+
+    model, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
+    engine = Engine(quantize.quantize(model, "gguf"), 64 << 20)
+    try:
+        kernel_forward = engine.runner.forward
+        assert kernel_forward.func is model_runner._layer_kernel_forward
+        seqs = [engine.new_sequence() for _ in range(3)]
+        texts = ["Water boils at", "The capital of France is Paris, and the capital of Spain is",
+                 "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
+        for seq, text in zip(seqs, texts):
+            seq.sync(0, tokenizer(text)["input_ids"])
+        outputs = []
+        for forward in (kernel_forward, model_runner._llama_forward):
+            engine.runner.forward = forward
+            for seq in seqs:
+                engine.crop(seq, 0)
+            with engine.cond:
+                works = [engine.submit(seq, 3) for seq in seqs]
+            outputs.append([work.future.result()[0] for work in works])
+            seqs[0].extend([42])
+            outputs[-1].append(engine.forward_now(seqs[0], 1)[0])
+            seqs[0].sync(len(seqs[0].tokens) - 1, [])
+        for ours, theirs in zip(*outputs):
+            assert torch.equal(ours, theirs)
     finally:
         engine.stop()
 
