@@ -2,6 +2,7 @@
 loopback. Waits until every service reports SERVING, prints the address, and stops them
 all on Ctrl-C or SIGTERM (or when one of them dies)."""
 
+import functools
 import logging
 import os
 import random
@@ -58,6 +59,7 @@ class Service:
     port: int
     argv: list[str]
     process: subprocess.Popen | None = None
+    nice: int = 0  # started at this much lower CPU priority (see `plan`)
     admin_port: int | None = None  # the orchestrator's admin service
     credentials: grpc.ChannelCredentials | None = None  # how a client reaches it (None: plaintext)
     metrics_port: int | None = None  # its Prometheus /metrics
@@ -72,8 +74,9 @@ class Service:
         return f"{HOST}:{self.admin_port}"
 
 
-# Threads of a pass when all services share this machine (see `plan`).
-VERIFIER_THREADS, DRAFTER_THREADS = max(1, (os.cpu_count() or 2) // 2), 1
+# Threads of a pass when all services share this machine, and how much the drafters
+# yield to the verifier (see `plan`).
+VERIFIER_THREADS, DRAFTER_THREADS, DRAFTER_NICE = os.cpu_count() or 1, 1, 15
 
 
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
@@ -81,11 +84,15 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
          drafter_flags: list[str] = (), admin_port: int | None = None, http_port: int | None = None
          ) -> list[Service]:
     """The processes of one deployment; `draft` is "ngram" or a draft model. They share
-    this machine's cores: the verifier's passes get half of them, each drafter's one (a
-    pass's threads wait for each other at every operation, so a thread whose core is
-    lent to another service stalls the whole pass). Measured on 2 cores, int8, 18 prompts
-    x 2, against `generate` on both cores: the default K at 0.889x with one verifier
-    thread and 0.890x with two; K = 3 at 0.613x and 0.603x; K = 0 at 0.882x and 0.915x."""
+    this machine's cores: the verifier's passes get all of them, each drafter's one, at
+    a lower CPU priority (a pass's threads wait for each other at every operation, so a
+    thread whose core goes to a drafter stalls the whole pass; the drafters' work beside
+    a run of the target alone is off the request's path, and a round's drafting happens
+    while the verifier waits). Measured on 2 cores, the default GGUF target, 1 and 8
+    streams x 128 tokens (`specdec bench-load`, one run each): half the cores, 55.2 and
+    102.0 tok/s at K = 0, 54.1 and 99.0 with the defaults; all of them and the drafters
+    niced, 99.8 and 141.4, 80.4 and 134.4; all of them and the drafters not niced, 88.1
+    and 165.8, 62.7 and 142.0."""
     python = [sys.executable, "-m"]
     verifier = Service("verifier", free_port(), [])
     verifier.argv = [*python, "verifier_service", "--host", HOST, "--port", str(verifier.port),
@@ -93,7 +100,7 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
                      "--threads", str(VERIFIER_THREADS), *verifier_flags]
     drafters = []
     for i in range(num_drafters):
-        d = Service(f"drafter-{i}", free_port(), [])
+        d = Service(f"drafter-{i}", free_port(), [], nice=DRAFTER_NICE)
         proposer = ["--proposer", "ngram"] if draft == "ngram" else [  # the model's proposer: drafter_flags
             "--model", draft, "--dtype", dtype, "--device", device, "--threads", str(DRAFTER_THREADS)]
         d.argv = [*python, "drafter_service", "--host", HOST, "--port", str(d.port), *proposer, *drafter_flags]
@@ -147,7 +154,8 @@ def start(services: list[Service], env: dict | None = None, log=None) -> None:
     """log: a file the services write their output to (None: this process's terminal)."""
     for service in services:
         service.process = subprocess.Popen(service.argv, env=env or os.environ.copy(), stdout=log,
-                                           stderr=subprocess.STDOUT if log else None)
+                                           stderr=subprocess.STDOUT if log else None,
+                                           preexec_fn=functools.partial(os.nice, service.nice) if service.nice else None)
 
 
 def stop(services: list[Service], grace_s: float = 10.0) -> None:

@@ -40,3 +40,26 @@ def test_a_port_in_use_is_refused_with_its_flag_before_anything_listens():
             assert done.returncode == 2, (argv, done.stderr)
             assert f"127.0.0.1:{port} is in use; choose another with {flag}" in done.stderr
             assert "Traceback" not in done.stderr and "listening" not in done.stderr
+
+
+def test_the_verifier_gets_every_core_and_the_drafters_yield_to_it():
+    """`plan` gives the verifier's passes all cores and starts the drafters at a lower
+    CPU priority: a drafter's work beside a run of the target alone must not take a core
+    from the verifier's pass."""
+    import os
+    import subprocess
+    import sys
+
+    from deploy import launch
+
+    services = launch.plan("target-dir", "draft-dir", 2, launch.free_port())
+    verifier, *drafters, _ = services
+    assert verifier.argv[verifier.argv.index("--threads") + 1] == str(os.cpu_count())
+    assert verifier.nice == 0 and [d.nice for d in drafters] == [launch.DRAFTER_NICE] * 2
+    probe = launch.Service("probe", 0, [sys.executable, "-c", "import os; print(os.nice(0))"], nice=launch.DRAFTER_NICE)
+    plain = launch.Service("plain", 0, [sys.executable, "-c", "import os; print(os.nice(0))"])
+    base = os.nice(0)
+    for service, want in ((probe, base + launch.DRAFTER_NICE), (plain, base)):
+        launch.start([service], log=subprocess.PIPE)  # as `specdec up` starts every service
+        out, _ = service.process.communicate(timeout=30)
+        assert int(out) == min(19, want), service.name
