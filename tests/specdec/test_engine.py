@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster import as_tested
+from passes import logits_by_forward
 from specdec.engine import Engine, TokenSequence
 from specdec.errors import NeedsResync, Overloaded
 
@@ -565,14 +566,7 @@ def test_llama_models_skip_transformers_plumbing_to_the_same_bits(models, numeri
     seqs = [eng.new_sequence() for _ in range(3)]
     for i, seq in enumerate(seqs):
         seq.sync(0, tokens(9 + 7 * i, 60 + i))
-    outputs = []
-    for forward in (model_runner._llama_forward, model_runner._transformers_forward):
-        eng.runner.forward = forward
-        for seq in seqs:
-            eng.crop(seq, 0)
-        with eng.cond:
-            works = [eng.submit(seq, 3) for seq in seqs]
-        outputs.append([work.future.result()[0] for work in works])
+    outputs = logits_by_forward(eng, seqs, (model_runner._llama_forward, model_runner._transformers_forward))
     for ours, theirs in zip(*outputs):
         assert torch.equal(ours, theirs)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from passes import logits_by_forward
 from specdec import ggml, modeling, quantize
 from specdec.engine import Engine
 
@@ -175,16 +176,11 @@ def test_each_layer_in_one_kernel_call_gives_the_python_pass_bits():
                  "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
         for seq, text in zip(seqs, texts):
             seq.sync(0, tokenizer(text)["input_ids"])
-        outputs = []
-        for forward in (kernel_forward, model_runner._llama_forward):
+        outputs = logits_by_forward(engine, seqs, (kernel_forward, model_runner._llama_forward))
+        for forward, logits in zip((kernel_forward, model_runner._llama_forward), outputs):
             engine.runner.forward = forward
-            for seq in seqs:
-                engine.crop(seq, 0)
-            with engine.cond:
-                works = [engine.submit(seq, 3) for seq in seqs]
-            outputs.append([work.future.result()[0] for work in works])
             seqs[0].extend([42])
-            outputs[-1].append(engine.forward_now(seqs[0], 1)[0])
+            logits.append(engine.forward_now(seqs[0], 1)[0])  # one decode step
             seqs[0].sync(len(seqs[0].tokens) - 1, [])
         for ours, theirs in zip(*outputs):
             assert torch.equal(ours, theirs)
