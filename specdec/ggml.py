@@ -136,14 +136,14 @@ def _blocks_of(weight: torch.Tensor, tensor, config, name: str) -> torch.Tensor 
     if kind not in TYPES or tuple(tensor.data.shape)[0] != weight.shape[0] or weight.shape[1] % 32:
         return None
     blocks = torch.from_numpy(np.array(tensor.data))  # a copy: the file's map is read-only
-    rows = blocks.shape[0]
-    held = _kernels().dequantize(pack(blocks, kind), kind, rows, torch.arange(rows))
+    rows, packed = blocks.shape[0], pack(blocks, kind)
+    held = _kernels().dequantize(packed, kind, rows, torch.arange(rows))  # checks `pack` too
     heads = {config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
     candidates = [None] + [_rotary_permutation(weight.shape[0], h) for h in sorted(heads)
                            if weight.shape[0] % (2 * h) == 0]
     for order in candidates:
         if order is None and torch.equal(held, weight):
-            return pack(blocks, kind)
+            return packed
         if order is not None and torch.equal(held[order.argsort()], weight):
             return pack(blocks[order.argsort()], kind)
     log.warning("%s: the GGUF tensor %s does not hold the model's weights; it stays float32", name, tensor.name)
