@@ -23,15 +23,14 @@
 
 namespace {
 
-// sum of a[i] * b[i] over d floats, in float64.
-inline double dot(const float* a, const float* b, int64_t d) {
+// sum of a[i] * b[i] over d values (a: the query, already float64), in float64.
+inline double dot(const double* a, const float* b, int64_t d) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
   for (; i + 8 <= d; i += 8) {
-    acc0 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(a + i)), _mm256_cvtps_pd(_mm_loadu_ps(b + i)), acc0);
-    acc1 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(a + i + 4)), _mm256_cvtps_pd(_mm_loadu_ps(b + i + 4)),
-                           acc1);
+    acc0 = _mm256_fmadd_pd(_mm256_loadu_pd(a + i), _mm256_cvtps_pd(_mm_loadu_ps(b + i)), acc0);
+    acc1 = _mm256_fmadd_pd(_mm256_loadu_pd(a + i + 4), _mm256_cvtps_pd(_mm_loadu_ps(b + i + 4)), acc1);
   }
   double v[4];
   _mm256_storeu_pd(v, _mm256_add_pd(acc0, acc1));
@@ -39,19 +38,39 @@ inline double dot(const float* a, const float* b, int64_t d) {
 #else
   double s = 0.0;
 #endif
-  for (; i < d; ++i) s += static_cast<double>(a[i]) * b[i];
+  for (; i < d; ++i) s += a[i] * b[i];
   return s;
 }
 
-// out[i] += p * v[i] over d values, in float64.
-inline void axpy(double p, const float* v, double* out, int64_t d) {
+// out[i] = sum over j < n of p[j] * v_j[i], j in order, for the d values of each v_j
+// (v_j at v + offsets[j]), in float64: each out[i] is acc = fma(p[j], v_j[i], acc) from
+// 0 (plain multiply-adds for the last d % 4). Blocks of 32 values keep their sums in
+// registers across all j (a sum kept in memory cost a load and a store per key).
+inline void weighted_sum(const double* p, const float* v, const int64_t* offsets, int64_t n, double* out, int64_t d) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256d pv = _mm256_set1_pd(p);
-  for (; i + 4 <= d; i += 4)
-    _mm256_storeu_pd(out + i, _mm256_fmadd_pd(pv, _mm256_cvtps_pd(_mm_loadu_ps(v + i)), _mm256_loadu_pd(out + i)));
+  for (; i + 32 <= d; i += 32) {
+    __m256d acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_pd();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256d pj = _mm256_set1_pd(p[j]);
+      const float* vj = v + offsets[j] + i;
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_pd(pj, _mm256_cvtps_pd(_mm_loadu_ps(vj + 4 * r)), acc[r]);
+    }
+    for (int r = 0; r < 8; ++r) _mm256_storeu_pd(out + i + 4 * r, acc[r]);
+  }
+  for (; i + 4 <= d; i += 4) {
+    __m256d acc = _mm256_setzero_pd();
+    for (int64_t j = 0; j < n; ++j)
+      acc = _mm256_fmadd_pd(_mm256_set1_pd(p[j]), _mm256_cvtps_pd(_mm_loadu_ps(v + offsets[j] + i)), acc);
+    _mm256_storeu_pd(out + i, acc);
+  }
 #endif
-  for (; i < d; ++i) out[i] += p * v[i];
+  for (; i < d; ++i) {
+    double acc = 0.0;
+    for (int64_t j = 0; j < n; ++j) acc += p[j] * v[offsets[j] + i];
+    out[i] = acc;
+  }
 }
 
 }  // namespace
@@ -88,23 +107,24 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_p
   float* op = out.data_ptr<float>();
   const int64_t group = H / KVH;
   at::parallel_for(0, T * H, 8, [&](int64_t begin, int64_t end) {
-    std::vector<double> scores(L), acc(d);
+    std::vector<double> scores(L), acc(d), query(d);
+    std::vector<int64_t> at(L);  // where each position's key and value lie in the pools
     for (int64_t th = begin; th < end; ++th) {
       const int64_t t = th / H, h = th % H, kv = h / group, n = lp[t];
       const int64_t* row_slots = sp + rp[t] * L;
-      const float* qv = qp + th * d;
+      for (int64_t i = 0; i < d; ++i) query[i] = qp[th * d + i];  // exact: converted once, not per key
       double top = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
-        scores[j] = dot(qv, kp + (row_slots[j] * KVH + kv) * d, d) * scale;
+        at[j] = (row_slots[j] * KVH + kv) * d;
+        scores[j] = dot(query.data(), kp + at[j], d) * scale;
         top = std::max(top, scores[j]);
       }
       double total = 0.0;
-      std::fill(acc.begin(), acc.end(), 0.0);
       for (int64_t j = 0; j < n; ++j) {
-        const double p = std::exp(scores[j] - top);
-        total += p;
-        axpy(p, vp + (row_slots[j] * KVH + kv) * d, acc.data(), d);
+        scores[j] = std::exp(scores[j] - top);  // now the weights
+        total += scores[j];
       }
+      weighted_sum(scores.data(), vp, at.data(), n, acc.data(), d);
       for (int64_t i = 0; i < d; ++i) op[th * d + i] = static_cast<float>(acc[i] / total);
     }
   });

@@ -52,12 +52,13 @@ def test_blocks_dequantize_as_ggufs_reference_code(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_row_gives_the_same_result_alone_or_among_others(kind):
-    # Every width a pass can have, an odd number of output rows (the threads split them).
+    # Every tile the kernel cuts a pass into (1 to 6 rows; 7 to 12 in two, 13 in three), an
+    # odd number of output rows (the threads split them).
     layer = ggml.GGUFLinear(random_blocks(kind, 77, 160, seed=kind), kind, 160)
     torch.manual_seed(0)
-    rows = torch.randn(9, 160) * torch.tensor([0.01, 1, 100, 1, 5, 0.1, 30, 2, 7])[:, None]
-    alone = [layer(rows[i:i + 1]) for i in range(9)]
-    for width in range(1, 10):
+    rows = torch.randn(13, 160) * torch.tensor([0.01, 1, 100, 1, 5, 0.1, 30, 2, 7, 0.5, 3, 1, 20])[:, None]
+    alone = [layer(rows[i:i + 1]) for i in range(13)]
+    for width in range(1, 14):
         together = layer(rows[:width][None])[0]
         for i in range(width):
             assert torch.equal(together[i:i + 1], alone[i]), (width, i)
