@@ -158,7 +158,7 @@ class FixedK:
     """The K a request asked for."""
 
     def __init__(self, k: int):
-        self.k = self.k_max = k
+        self.k = self.k_max = self.lookup_k_max = k
         self.probes_beside_runs = False  # the K asked for is all it runs: no probes
 
     def choose(self, matched: int = 0) -> int:
@@ -204,12 +204,17 @@ class AdaptiveK:
     the model does not see everything a draft costs (a drafter on the verifier's cores
     takes CPU from every session's pass; a late row holds the next pass back), and at a
     near tie it measured slower (8 streams on the default pair: K≈0.6 drafts per round at
-    a predicted tie gave 78% of the target alone's throughput)."""
+    a predicted tie gave 78% of the target alone's throughput).
+
+    A lookup round may draft up to `lookup_k_max` (default k_max) of the match's tokens:
+    they cost no drafting, so only the pass's price and the acceptance bound K (an answer
+    that copies its prompt accepts long runs)."""
 
     def __init__(self, costs: RoundCosts, k_max: int, k_start: int, probe_every: int = 16,
                  prior_weight: float = 4.0, seed: int | None = None, min_gain: float = 0.1,
-                 probes_beside_runs: bool = False):
+                 probes_beside_runs: bool = False, lookup_k_max: int | None = None):
         self.costs, self.k_max, self.k_start = costs, k_max, min(k_start, k_max)
+        self.lookup_k_max = max(k_max, lookup_k_max or 0)
         self.probes_beside_runs, self.probe_k = probes_beside_runs, 0
         self.probe_every, self.prior_weight, self.min_gain = probe_every, prior_weight, min_gain
         self.accepted, self.tested, self.rounds = 0, 0, 0
@@ -247,20 +252,25 @@ class AdaptiveK:
         return expected_tokens(self.lookup_alpha, k) / max(draft + verify, 1e-6)
 
     def _lookup_k(self, matched: int) -> int:
-        """The best K for a round the drafter drafts by lookup (0: the target alone). How
-        much an output copies its context is the request's own (a chat answer rarely does,
-        an edit of a text mostly does): a greedy request first learns it from its runs'
-        checks, another tries its first match whatever the deployment's lookup acceptance."""
+        """The best K for a round drafted by lookup (0: the target alone). How much an
+        output copies its context is the request's own (a chat answer rarely does, an edit
+        of a text mostly does): a greedy request first learns it from its runs' checks,
+        another tries its first match. Either way K grows with what the request's own
+        lookup drafts have passed, at most twice that (one draft before any): the
+        deployment's acceptance comes from other requests (a copying one drives it near 1),
+        and a long round that fails costs a chat request several steps (measured, 48-token
+        chat requests on 2 cores: a 12-draft lookup round after one passing check)."""
+        reach = min(matched, max(1, 2 * self.lookup_accepted))
         if self.probes_beside_runs:
             if self.lookup_tested == 0:
                 return 0  # its runs check its matches first, at no cost
         elif not self.costs.lookup_tried or self.lookup_tested == 0:
-            return min(matched, self.k_max, self.k_start)
-        speeds = {k: self.lookup_speed(k) for k in range(1, min(matched, self.k_max) + 1)}
+            return min(reach, self.k_start)
+        speeds = {k: self.lookup_speed(k) for k in range(1, min(reach, self.lookup_k_max) + 1)}
         known = {k: v for k, v in speeds.items() if v is not None}
         base = self.speed(0)
         if not known or base is None:
-            return min(matched, self.k_max, self.k_start)
+            return min(reach, self.k_start)
         best = max(known, key=known.get)
         return best if known[best] >= (1 + self.min_gain) * base else 0
 

@@ -205,7 +205,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         try:
             policy = FixedK(req.k) if req.k is not None else AdaptiveK(
                 self.costs, self.limits.adaptive_max_k, self.limits.default_k,
-                probes_beside_runs=sampling.is_greedy(req.params))
+                probes_beside_runs=sampling.is_greedy(req.params), lookup_k_max=self.limits.max_k)
             rounds = speculate(req.prompt, req.max_new_tokens, policy, set(self.info.eos_token_ids), drafter,
                                verifier, stats, overlap=self.limits.overlap,
                                trace_context=trace.set_span_in_context(span))
@@ -403,12 +403,13 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--num-speculative-tokens", env="SPECDEC_NUM_SPECULATIVE_TOKENS", type=int, default=4,
         help="the long K a fresh deployment tries once K = 1 has paid; a request's K then adapts per round")
     add(parser, "--adaptive-max-speculative-tokens", env="SPECDEC_ADAPTIVE_MAX_SPECULATIVE_TOKENS", type=int,
-        default=8, help="largest K the per-round choice considers")
+        default=8, help="largest K the per-round choice considers for the draft model (a prompt-lookup round may "
+                        "draft up to --max-speculative-tokens)")
     add(parser, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
         help="draft each round's successor while the round is verified (pays when the drafters do not share "
              "the verifier's cores)")
     add(parser, "--max-speculative-tokens", env="SPECDEC_MAX_SPECULATIVE_TOKENS", type=int, default=16,
-        help="largest K a request may ask for")
+        help="largest K a request may ask for, and that a prompt-lookup round drafts")
     add(parser, "--default-max-new-tokens", env="SPECDEC_DEFAULT_MAX_NEW_TOKENS", type=int, default=256,
         help="max_new_tokens of a request that sets none")
     add(parser, "--max-new-tokens-limit", env="SPECDEC_MAX_NEW_TOKENS_LIMIT", type=int, default=4096,

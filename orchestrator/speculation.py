@@ -191,9 +191,10 @@ class DrafterLink:
         self.lookup: LookupIndex | None = None  # the drafters' lookup rule over this request's history
 
     def lookup_drafts(self, history: list[int], k: int) -> list[int]:
-        """The drafts the drafter would take by prompt lookup after `history` (up to k; its
-        rule on the committed history, which only grows), [] if it would draft with its
-        model."""
+        """Drafts by prompt lookup after `history` (up to k), by the rule the drafters
+        report (specdec.lookup, on the committed history, which only grows); [] where the
+        rule finds no match, or the drafters draft with their model alone. A lookup round
+        drafts these itself: it needs no drafter call, only the verifier's pass."""
         rule = self.pool.lookup_rule
         if rule is None or self.refused:
             return []
@@ -399,7 +400,7 @@ async def speculate(
     """Yields the tokens committed by each round until max_new_tokens or an EOS token.
     With `overlap`, the drafter drafts the next round while the verifier checks this one."""
     policy = FixedK(k) if isinstance(k, int) else k
-    k_max = policy.k_max
+    k_max = policy.lookup_k_max  # a lookup round may draft further than the model's
     history = list(prompt)
     produced = 0
     ahead: tuple[list[int], list[common_pb2.SparseDistribution]] | None = None
@@ -443,24 +444,26 @@ async def speculate(
                     if beside is not None:
                         await beside.settle(history, policy, stats)
                 continue
-            lookup = matched > 0
+            lookup = matched > 0  # the round's drafts are the match's, drafted here
             # The round's span is current only while this coroutine runs the round (never
             # across a yield): its calls, and a look-ahead started in it, are its children.
             span = tracing.tracer.start_span("round", context=trace_context, attributes={"k": k_round})
             attached = otel_context.attach(trace.set_span_in_context(span, trace_context))
             try:
-                # 1. Propose: the drafter extends the history by k_round draft tokens (or
-                # already did, during the last round's verification).
+                # 1. Propose: k_round drafts, by lookup (one-hot q: none sent), or by the
+                # drafter (which may have drafted them during the last round's verification).
                 started = time.perf_counter()
                 ready, ahead = ahead, None  # drafted for this round only
-                if ready is not None:
+                if lookup:
+                    drafts, qs = by_lookup[:k_round], []
+                elif ready is not None:
                     drafts, qs = ready[0][:k_round], ready[1][:k_round]
                     stats.lookahead_hits += 1
                 else:
                     drafts, qs = await drafter.propose(history, k_round)
                 drafted = time.perf_counter()
                 # Look ahead only if the next round, after a whole pass, could still draft.
-                if overlap and k_round > 0 and produced + k_round + 2 < max_new_tokens:
+                if overlap and not lookup and produced + k_round + 2 < max_new_tokens:
                     lookahead = _Lookahead(drafter, history, drafts, k_round)
                     stats.lookaheads += 1
                 # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.

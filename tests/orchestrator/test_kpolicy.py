@@ -185,16 +185,18 @@ def test_runs_end_at_the_budget_and_at_the_next_probe():
     assert FixedK(0).run_length(100) == 32 and FixedK(0).run_length(5) == 5 and FixedK(3).run_length(100) == 1
 
 
-def lookup_deployment(lookup_alpha: float, rounds: int = 300, seed: int = 0):
+def lookup_deployment(lookup_alpha: float, rounds: int = 300, seed: int = 0, match: int = 8,
+                      lookup_k_max: int | None = None):
     """A CPU-like deployment where model drafts never pay (alpha 0.1) and every third
-    round the history holds an 8-token lookup match whose drafts pass with lookup_alpha;
-    a lookup draft costs only the drafter call (1 ms). -> (policy, K chosen at matches)"""
+    round the history holds a `match`-token lookup match whose drafts pass with
+    lookup_alpha; a lookup draft costs only the drafter call (1 ms). -> (policy, K chosen
+    at matches)"""
     costs, rng = RoundCosts(), random.Random(seed)
     step, call = 0.017, 0.002
-    policy = AdaptiveK(costs, k_max=8, k_start=4, seed=seed)
+    policy = AdaptiveK(costs, k_max=8, k_start=4, seed=seed, lookup_k_max=lookup_k_max)
     at_matches = []
     for r in range(rounds):
-        matched = 8 if r % 3 == 0 else 0
+        matched = match if r % 3 == 0 else 0
         k = policy.choose(matched)
         if k == 0:
             policy.observe_run(1, step, [BatchPass(rows=1, tokens=1, seconds=step)])
@@ -222,9 +224,18 @@ def test_lookup_rounds_are_chosen_where_the_match_pays():
     assert policy.lookup_pays(8) and not policy.lookup_pays(0)
 
 
+def test_a_long_match_that_passes_drafts_past_the_models_k():
+    """Lookup drafts cost no drafting: where a 24-token match passes, the round goes as
+    far as the pass's price and the acceptance pay, up to lookup_k_max, not the model's K."""
+    _, capped = lookup_deployment(0.97, match=24)
+    _, free = lookup_deployment(0.97, match=24, lookup_k_max=16)
+    assert max(capped) <= 8
+    assert sorted(free[-30:])[15] > 8 and max(free) <= 16
+
+
 def test_lookup_rounds_that_fail_fall_back_to_the_target_alone():
     policy, at_matches = lookup_deployment(0.05)
-    assert at_matches[0] == 4  # the deployment's first lookup round tries k_start
+    assert at_matches[0] == 1  # the deployment's first lookup round tries one draft
     assert max(at_matches[1:]) <= 1 and len(at_matches) <= 10  # then probes only, of 100 matches
     assert not policy.lookup_pays(8)
 
@@ -302,5 +313,22 @@ def test_greedy_requests_learn_their_lookup_acceptance_from_their_runs():
     for _ in range(4):
         fresh.observe_beside(1, 0, None, lookup=True)
     assert not fresh.lookup_pays(8) and fresh.choose(8) == 0
-    # A request that is not greedy still tries its first match.
-    assert AdaptiveK(costs, k_max=8, k_start=4).choose(8) == 4
+    # A request that is not greedy still tries its first match, with one draft.
+    assert AdaptiveK(costs, k_max=8, k_start=4).choose(8) == 1
+
+
+def test_a_request_drafts_by_lookup_as_far_as_its_own_lookup_drafts_have_passed():
+    """The deployment's lookup acceptance, near 1 after copying requests, does not buy a
+    fresh request a long first lookup round: one passing check allows 2 drafts, and each
+    round that passes doubles the reach."""
+    costs, step = RoundCosts(), 0.017
+    costs.observe_run(16, 16 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 16)
+    for _ in range(50):  # copying requests: long lookup rounds that pass whole, at a low price
+        costs.observe(12, 0.0, 0.03, 12, 12, BatchPass(rows=1, tokens=13, seconds=0.029), lookup=True)
+    request = AdaptiveK(costs, k_max=8, k_start=4, probes_beside_runs=True, lookup_k_max=16)
+    request.observe_beside(1, 1, None, lookup=True)
+    assert request.choose(16) == 2
+    request.observe(2, 2, 0.0, 0.02, BatchPass(rows=1, tokens=3, seconds=0.019), lookup=True)
+    assert request.choose(16) == 6
+    request.observe(6, 6, 0.0, 0.025, BatchPass(rows=1, tokens=7, seconds=0.024), lookup=True)
+    assert request.choose(16) == 16

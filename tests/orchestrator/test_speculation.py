@@ -80,6 +80,10 @@ class Cycle:
         self.round += 1
         return self.ks[(self.round - 1) % len(self.ks)]
 
+    @property
+    def lookup_k_max(self):
+        return self.k_max
+
     def lookup_pays(self, matched):
         return False
 
@@ -208,10 +212,13 @@ def test_greedy_runs_check_the_lookup_next_token():
 
 
 class LookupDrafter(FakeDrafter):
-    """Says it would draft by lookup after every 5th token of history."""
+    """Offers a lookup match after every 5th token of history."""
 
     def lookup_drafts(self, history, k):
-        return [0] * min(k, 3) if len(history) % 5 == 0 else []
+        drafts = [0] * min(k, 3) if len(history) % 5 == 0 else []
+        if drafts:
+            self.drafted_for[tuple(history)] = drafts  # what the verifier may see for this history
+        return drafts
 
 
 class LookupPolicy(Cycle):
@@ -238,7 +245,8 @@ class LookupPolicy(Cycle):
 def test_a_run_stops_where_a_lookup_round_pays_and_the_output_is_the_targets():
     prompt = [3, 1, 4, 1, 5, 9, 2]
     policy = LookupPolicy()
-    out, stats, _ = run(prompt, 60, policy, drafter=LookupDrafter())
+    out, stats, drafter = run(prompt, 60, policy, drafter=LookupDrafter())
     assert out == reference(prompt, 60)
     assert stats.runs_cut > 0 and stats.lookup_rounds == sum(policy.lookups) > 0
     assert max(policy.runs) <= 5  # cut at the next match, well before its 8 steps
+    assert drafter.calls == 0  # a lookup round is the verifier's pass alone: no drafter call
