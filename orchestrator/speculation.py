@@ -398,106 +398,129 @@ async def speculate(
     trace_context=None,
 ) -> AsyncIterator[list[int]]:
     """Yields the tokens committed by each round until max_new_tokens or an EOS token.
-    With `overlap`, the drafter drafts the next round while the verifier checks this one."""
+    With `overlap`, the drafter drafts the next round while the verifier checks this one.
+
+    Each round: the policy picks K (knowing whether the history holds a lookup match);
+    K = 0 is a run of the target alone; otherwise propose K drafts, verify them in one
+    target pass, and commit the accepted prefix and the verifier's own token. Both
+    services learn the committed tokens at their next call (a lost session: a resync)."""
     policy = FixedK(k) if isinstance(k, int) else k
-    k_max = policy.lookup_k_max  # a lookup round may draft further than the model's
     history = list(prompt)
     produced = 0
-    ahead: tuple[list[int], list[common_pb2.SparseDistribution]] | None = None
+    ahead: tuple[list[int], list[common_pb2.SparseDistribution]] | None = None  # drafted for the next round
+    while produced < max_new_tokens:
+        by_lookup = drafter.lookup_drafts(history, policy.lookup_k_max)
+        # A round commits at most K + 1 tokens: never draft past the budget.
+        k_round = min(policy.choose(len(by_lookup)), max_new_tokens - produced - 1)
+        if k_round <= 0:
+            ahead = None
+            async with contextlib.aclosing(_target_alone(policy, drafter, verifier, history, by_lookup,
+                                                         max_new_tokens - produced, eos, stats,
+                                                         trace_context)) as run:
+                async for token in run:
+                    produced += 1
+                    yield [token]
+                    if token in eos:
+                        return
+            continue
+        new, ahead = await _round(policy, drafter, verifier, history, by_lookup[:k_round], k_round, ahead,
+                                  overlap and produced + k_round + 2 < max_new_tokens, stats, trace_context)
+        new = _until_eos(new, eos)
+        history.extend(new)
+        produced += len(new)
+        yield new
+        if new[-1] in eos:
+            return
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """tokens up to and including the first EOS token."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
+async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: VerifierLink, history: list[int],
+                 by_lookup: list[int], k: int, ahead, look_ahead: bool, stats: Stats, trace_context
+                 ) -> tuple[list[int], tuple | None]:
+    """One speculative round of k drafts after `history`: by lookup when `by_lookup` holds
+    them, else by the drafter (or `ahead`, drafted during the last round). -> (the
+    accepted drafts and the verifier's own token, the next round's drafts if drafted
+    ahead and their guess held). With `look_ahead`, the drafter drafts the next round
+    while this one is verified."""
+    lookup = bool(by_lookup)
+    # The round's span is current only while this coroutine runs (never across the
+    # caller's yield): its calls, and a look-ahead started in it, are its children.
+    span = tracing.tracer.start_span("round", context=trace_context, attributes={"k": k})
+    attached = otel_context.attach(trace.set_span_in_context(span, trace_context))
     lookahead: _Lookahead | None = None
     try:
-        while produced < max_new_tokens:
-            # Whether the drafter will draft this round by prompt lookup, and how far.
-            by_lookup = drafter.lookup_drafts(history, k_max)
-            matched = len(by_lookup)
-            # A round commits at most k + 1 tokens: never draft past the budget.
-            k_round = min(policy.choose(matched), max_new_tokens - produced - 1)
-            if k_round <= 0:
-                # The target alone: steps decoded in one verifier call, not a call per step;
-                # it stops early where a lookup match would pay for a round.
-                ahead = None
-                probe_k = policy.beside_run()
-                beside = _BesideRun(drafter, history, probe_k) if probe_k else None
-                # In a greedy request each token of the run also checks the lookup's next
-                # token where the history holds a match: what a lookup round's first draft
-                # there would have got, known without the round.
-                check = policy.probes_beside_runs
-                expected = by_lookup[:1] if check else []
-                try:
-                    async with contextlib.aclosing(_plain_run(policy, max_new_tokens - produced, eos, history,
-                                                              verifier, stats, trace_context)) as run:
-                        async for token in run:
-                            if expected:
-                                policy.observe_beside(1, int(token == expected[0]), None, lookup=True)
-                                stats.lookups_checked += 1
-                            history.append(token)
-                            produced += 1
-                            yield [token]
-                            if token in eos:
-                                return
-                            by_lookup = drafter.lookup_drafts(history, k_max)
-                            if policy.lookup_pays(len(by_lookup)):
-                                stats.runs_cut += 1
-                                break
-                            expected = by_lookup[:1] if check else []
-                finally:
-                    if beside is not None:
-                        await beside.settle(history, policy, stats)
-                continue
-            lookup = matched > 0  # the round's drafts are the match's, drafted here
-            # The round's span is current only while this coroutine runs the round (never
-            # across a yield): its calls, and a look-ahead started in it, are its children.
-            span = tracing.tracer.start_span("round", context=trace_context, attributes={"k": k_round})
-            attached = otel_context.attach(trace.set_span_in_context(span, trace_context))
-            try:
-                # 1. Propose: k_round drafts, by lookup (one-hot q: none sent), or by the
-                # drafter (which may have drafted them during the last round's verification).
-                started = time.perf_counter()
-                ready, ahead = ahead, None  # drafted for this round only
-                if lookup:
-                    drafts, qs = by_lookup[:k_round], []
-                elif ready is not None:
-                    drafts, qs = ready[0][:k_round], ready[1][:k_round]
-                    stats.lookahead_hits += 1
-                else:
-                    drafts, qs = await drafter.propose(history, k_round)
-                drafted = time.perf_counter()
-                # Look ahead only if the next round, after a whole pass, could still draft.
-                if overlap and not lookup and produced + k_round + 2 < max_new_tokens:
-                    lookahead = _Lookahead(drafter, history, drafts, k_round)
-                    stats.lookaheads += 1
-                # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
-                accepted, next_token, batch_pass = await verifier.verify(history, drafts, qs)
-                verified = time.perf_counter()
-                policy.observe(len(drafts), accepted, drafted - started if drafts else None, verified - drafted,
-                               batch_pass, lookup)
-                if lookup:
-                    stats.lookup_rounds += 1
-                stats.observe_pass(batch_pass)
-                stats.draft_s += drafted - started
-                stats.verify_s += verified - drafted
-                stats.record(len(drafts), accepted)
-                if stats.on_round is not None:
-                    stats.on_round(k_round, len(drafts), accepted, drafted - started if drafts else None,
-                                   verified - drafted)
-                if lookahead is not None:
-                    ahead, lookahead = await lookahead.take(accepted, next_token), None
-                    stats.draft_s += time.perf_counter() - verified
-                span.set_attributes({"drafts": len(drafts), "accepted": accepted})
-            finally:
-                otel_context.detach(attached)
-                span.end()
-            # 3. Commit: the accepted drafts and the correction (or bonus) token.
-            new = drafts[:accepted] + [next_token]
-            for i, token in enumerate(new):
-                if token in eos:
-                    new = new[:i + 1]
-                    break
-            history.extend(new)
-            produced += len(new)
-            yield new
-            if new[-1] in eos:
-                return
-    finally:
+        # 1. Propose: the match's tokens (one-hot q: none sent), or the drafter's.
+        started = time.perf_counter()
+        if lookup:
+            drafts, qs = by_lookup, []
+        elif ahead is not None:
+            drafts, qs = ahead[0][:k], ahead[1][:k]
+            stats.lookahead_hits += 1
+        else:
+            drafts, qs = await drafter.propose(history, k)
+        drafted = time.perf_counter()
+        draft_s = drafted - started if drafts else None
+        if look_ahead and not lookup:
+            lookahead = _Lookahead(drafter, history, drafts, k)
+            stats.lookaheads += 1
+        # 2. Verify: one target pass keeps the accepted prefix and adds one token of its own.
+        accepted, next_token, batch_pass = await verifier.verify(history, drafts, qs)
+        verified = time.perf_counter()
+        # 3. Adapt: the policy learns what the round's drafts got and what it cost.
+        policy.observe(len(drafts), accepted, draft_s, verified - drafted, batch_pass, lookup)
+        stats.lookup_rounds += lookup
+        stats.observe_pass(batch_pass)
+        stats.draft_s += drafted - started
+        stats.verify_s += verified - drafted
+        stats.record(len(drafts), accepted)
+        if stats.on_round is not None:
+            stats.on_round(k, len(drafts), accepted, draft_s, verified - drafted)
+        ahead = None
         if lookahead is not None:
+            ahead, lookahead = await lookahead.take(accepted, next_token), None
+            stats.draft_s += time.perf_counter() - verified
+        span.set_attributes({"drafts": len(drafts), "accepted": accepted})
+        return drafts[:accepted] + [next_token], ahead
+    finally:
+        if lookahead is not None:  # the round failed: the next one drafts afresh
             await lookahead.cancel()
+        otel_context.detach(attached)
+        span.end()
+
+
+async def _target_alone(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: VerifierLink,
+                        history: list[int], by_lookup: list[int], budget: int, eos: set[int], stats: Stats,
+                        trace_context) -> AsyncIterator[int]:
+    """A run of the target alone (one verifier call for its steps): appends each token to
+    `history`, then yields it. It stops early where a lookup round would pay. Beside it,
+    at no cost to its steps: a probe of the drafter when the policy asks for one, and in
+    a greedy request a check of each token against the lookup's next one (what a lookup
+    round's first draft there would have got)."""
+    probe_k = policy.beside_run()
+    beside = _BesideRun(drafter, history, probe_k) if probe_k else None
+    check = policy.probes_beside_runs
+    expected = by_lookup[:1] if check else []
+    try:
+        async with contextlib.aclosing(_plain_run(policy, budget, eos, history, verifier, stats,
+                                                  trace_context)) as run:
+            async for token in run:
+                if expected:
+                    policy.observe_beside(1, int(token == expected[0]), None, lookup=True)
+                    stats.lookups_checked += 1
+                history.append(token)
+                yield token
+                by_lookup = drafter.lookup_drafts(history, policy.lookup_k_max)
+                if policy.lookup_pays(len(by_lookup)):
+                    stats.runs_cut += 1
+                    return
+                expected = by_lookup[:1] if check else []
+    finally:
+        if beside is not None:
+            await beside.settle(history, policy, stats)
