@@ -14,10 +14,11 @@ falls smoothly to 0 (the target alone) where speculation stops paying; at one st
 is the unbatched rule. Costs belong to the deployment and are shared by all requests
 (RoundCosts); alpha belongs to the request, starting from the deployment's average.
 
-Where the drafter drafts by prompt lookup (its rule, specdec.lookup, holds on the
-history), drafts cost no model step and pass far more or far less often than the
-model's: those rounds have an acceptance and a drafter cost of their own, and K is
-chosen among the tokens the match offers (SuffixDecoding's split, per round).
+Where the history holds a prompt-lookup match (the drafters' rule, specdec.lookup), the
+orchestrator drafts the round itself from the match: its drafts cost no drafter call and
+pass far more or far less often than the model's, so those rounds have an acceptance of
+their own, and K is chosen among the tokens the match offers (SuffixDecoding's split,
+per round), up to what the request's own lookup drafts have earned.
 
 K = 0 is the target alone, and it runs as the target alone would: a run of steps in one
 verifier call (Decode), with no call per token. Its price is what runs measured per
