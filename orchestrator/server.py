@@ -18,6 +18,7 @@ from opentelemetry import trace
 from specdec import flags, logs, modeling, sampling, security, server, tracing
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Precondition, ServiceError, Unavailable, abort
+from specdec.lookup import OutputMemory
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from orchestrator import discovery
 from orchestrator.admission import Admission
@@ -53,6 +54,7 @@ class Limits:
     overlap: bool = False
     verifier_retry_s: float = 15.0
     max_queued_requests: int = 256
+    lookup_memory_tokens: int = 1 << 16
 
 
 @dataclass
@@ -85,6 +87,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.in_flight: dict[str, Flight] = {}  # by session id
         self.admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests)
         self.closing: set[asyncio.Task] = set()
+        self.memory: OutputMemory | None = None  # earlier outputs, for every request's lookup drafts
+
+    def output_memory(self) -> OutputMemory | None:
+        """The shared memory of outputs, under the drafters' lookup rule (None: no rule, or
+        --lookup-memory-tokens 0); a new rule starts an empty one."""
+        rule = self.pool.lookup_rule
+        if rule is None or self.limits.lookup_memory_tokens <= 0:
+            return None
+        if self.memory is None or (self.memory.min_n, self.memory.max_n) != rule:
+            self.memory = OutputMemory(self.limits.lookup_memory_tokens, rule[1], rule[0])
+        return self.memory
 
     def ready(self, tokenizer, verifier: VerifierEndpoint, pool: DrafterPool) -> None:
         self.tokenizer, self.verifier, self.pool = tokenizer, verifier, pool
@@ -194,8 +207,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         labelled = logs.request_metadata(req.label)
         verifier = VerifierLink(self.verifier, session_id, req.params, stats, self.limits.verifier_timeout_s,
                                 retry_s=self.limits.verifier_retry_s, deadline=deadline, metadata=labelled)
+        memory = self.output_memory()
+        # Greedy requests only draft from other requests' outputs: a sampled request's tokens
+        # depend on its drafts (their distribution does not), and its seed must reproduce them.
         drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
-                              deadline=deadline, metadata=labelled)
+                              deadline=deadline, metadata=labelled,
+                              memory=memory if sampling.is_greedy(req.params) else None)
         text = TextStream(self.tokenizer, req.stop)
         self.in_flight[session_id] = Flight(req.label, session_id, drafter, text)
         outcome, code, last = "cancelled", "CANCELLED", None  # what the finally records unless told otherwise
@@ -221,6 +238,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
             yield pb.GenerateResponse(result=self.result(req, text, stats))
             outcome, code = "ok", "OK"
+            if memory is not None:  # with the prompt's end, which its first tokens follow
+                memory.add(req.prompt[-memory.max_n:] + text.ids)
             metrics.e2e.observe(time.monotonic() - started)
             log.info("[%s] done: %d tokens in %d rounds (by drafts: %s; %d drafted by lookup, %d runs of the target "
                      "alone cut for one, %d probes beside runs, %d lookup tokens checked), acceptance %.2f, "
@@ -408,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
         help="draft each round's successor while the round is verified (pays when the drafters do not share "
              "the verifier's cores)")
+    add(parser, "--lookup-memory-tokens", env="SPECDEC_LOOKUP_MEMORY_TOKENS", type=int, default=1 << 16,
+        help="tokens of recent outputs kept for lookup drafts (a request without a match in its own history "
+             "drafts from what followed the same tokens in an earlier output; the oldest leave first; 0: off)")
     add(parser, "--max-speculative-tokens", env="SPECDEC_MAX_SPECULATIVE_TOKENS", type=int, default=16,
         help="largest K a request may ask for, and that a prompt-lookup round drafts")
     add(parser, "--default-max-new-tokens", env="SPECDEC_DEFAULT_MAX_NEW_TOKENS", type=int, default=256,
@@ -435,7 +457,7 @@ async def serve(args, on_listen=None) -> None:
     limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
                     args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests,
                     args.drafter_timeout, args.verifier_timeout, args.overlap, args.verifier_retry_timeout,
-                    args.max_queued_requests)
+                    args.max_queued_requests, args.lookup_memory_tokens)
     tracing.setup("orchestrator", args.otlp_endpoint)
     metrics = OrchestratorMetrics()
     metrics.serve(args.host, args.metrics_port)
@@ -464,6 +486,7 @@ async def serve(args, on_listen=None) -> None:
                 log.warning("drafter %s not reachable yet (%s); will retry", replica.address, err.code().name)
         servicer.ready(tokenizer, verifier, pool)
         metrics.in_flight.set_function(lambda: len(servicer.in_flight))
+        metrics.lookup_memory.set_function(lambda: servicer.memory.held if servicer.memory else 0)
         metrics.replicas.labels("true").set_function(
             lambda: sum(r.healthy(time.monotonic()) for r in list(pool.replicas.values())))
         metrics.replicas.labels("false").set_function(

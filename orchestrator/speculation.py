@@ -19,7 +19,7 @@ from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec import tracing
 from specdec.errors import needs_resync
-from specdec.lookup import LookupIndex
+from specdec.lookup import LookupIndex, OutputMemory
 from specdec.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.pool import DrafterPool, Replica
@@ -181,8 +181,10 @@ class DrafterLink:
     another (which resyncs); with none left the rounds go on without drafts."""
 
     def __init__(self, pool: DrafterPool, session_id: str, params: common_pb2.SamplingParams, stats: Stats,
-                 timeout_s: float, deadline: Deadline = Deadline(None), metadata=()):
+                 timeout_s: float, deadline: Deadline = Deadline(None), metadata=(),
+                 memory: OutputMemory | None = None):
         self.pool, self.session_id, self.params, self.stats = pool, session_id, params, stats
+        self.memory = memory  # earlier requests' outputs, where this history has no match
         self.metadata = metadata
         self.timeout_s, self.deadline = timeout_s, deadline
         self.replica: Replica | None = None
@@ -199,7 +201,8 @@ class DrafterLink:
         if rule is None or self.refused:
             return []
         if self.lookup is None or (self.lookup.min_n, self.lookup.max_n) != rule:
-            self.lookup = LookupIndex(rule[1], rule[0])
+            self.lookup = LookupIndex(rule[1], rule[0], self.memory if self.memory and
+                                      (self.memory.min_n, self.memory.max_n) == rule else None)
         self.lookup.update(history)
         return self.lookup.match(k)
 

@@ -18,10 +18,12 @@ def suffix_match(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]
 class LookupIndex:
     """`suffix_match` over a history that only grows, in time independent of its length:
     for each n-gram, where the tokens after its latest occurrence start (the orchestrator
-    asks after every token of a run; a scan would cost the whole history each time)."""
+    asks after every token of a run; a scan would cost the whole history each time). With
+    a `memory`, an earlier output's match is taken where it is longer than the history's
+    own (or the history has none)."""
 
-    def __init__(self, max_n: int, min_n: int):
-        self.max_n, self.min_n = max_n, min_n
+    def __init__(self, max_n: int, min_n: int, memory: "OutputMemory | None" = None):
+        self.max_n, self.min_n, self.memory = max_n, min_n, memory
         self.tokens: list[int] = []
         self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> start of what followed it last
 
@@ -34,9 +36,66 @@ class LookupIndex:
             self.tokens.append(token)
 
     def match(self, k: int) -> list[int]:
-        tokens = self.tokens
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+        """The history's own match; with a memory, an earlier output's where it is longer."""
+        tokens, n = self.tokens, min(self.max_n, len(self.tokens) - 1)
+        for n in range(n, self.min_n - 1, -1):
             start = self.follows.get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start:start + k]
-        return []
+                break
+        else:
+            n, start = 0, None
+        if self.memory is not None:
+            longer, found = self.memory.longest(tokens, k, n + 1)
+            if found:
+                return found
+        return tokens[start:start + k] if start is not None else []
+
+
+class OutputMemory:
+    """Recent requests' outputs, shared by every request: where a request's own history
+    holds no match, its lookup drafts are what followed the same tokens in an earlier
+    output. Agents, retries and templated reports repeat earlier outputs (SuffixDecoding,
+    Oliaro et al., drafts from a suffix tree over past outputs; here the rule is the
+    requests' own: the longest suffix of min_n to max_n tokens, its latest occurrence).
+    Bounded: once more than `max_tokens` are held, the oldest outputs leave first."""
+
+    def __init__(self, max_tokens: int, max_n: int, min_n: int):
+        self.max_tokens, self.max_n, self.min_n = max_tokens, max_n, min_n
+        self.outputs: dict[int, list[int]] = {}  # in the order added
+        self.held, self.added = 0, 0
+        self.follows: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (output, where what followed starts)
+
+    def add(self, tokens: list[int]) -> None:
+        if len(tokens) < 2 or len(tokens) > self.max_tokens:
+            return
+        number, self.added = self.added, self.added + 1
+        self.outputs[number] = tokens
+        self.held += len(tokens)
+        for end in range(1, len(tokens)):  # the n-grams ending before tokens[end] are followed by it
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.follows[tuple(tokens[end - n:end])] = (number, end)
+        while self.held > self.max_tokens:
+            self._drop(next(iter(self.outputs)))
+
+    def _drop(self, number: int) -> None:
+        tokens = self.outputs.pop(number)
+        self.held -= len(tokens)
+        for end in range(1, len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                key = tuple(tokens[end - n:end])
+                if self.follows.get(key, (None,))[0] == number:
+                    del self.follows[key]
+
+    def match(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix of `tokens` (min_n to max_n
+        long) in the latest output holding it; [] if none did."""
+        return self.longest(tokens, k, self.min_n)[1]
+
+    def longest(self, tokens: list[int], k: int, shortest: int) -> tuple[int, list[int]]:
+        """match() for suffixes of at least `shortest` tokens: (the suffix's length, the drafts)."""
+        for n in range(min(self.max_n, len(tokens)), max(shortest, self.min_n) - 1, -1):
+            found = self.follows.get(tuple(tokens[-n:]))
+            if found is not None:
+                number, start = found
+                return n, self.outputs[number][start:start + k]
+        return 0, []

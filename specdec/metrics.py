@@ -82,6 +82,8 @@ class OrchestratorMetrics(Metrics):
         self.requests = c("requests", "finished requests by outcome (ok, error, cancelled) and gRPC status code",
                           ["outcome", "code"])
         self.in_flight = self.gauge("requests_in_flight", "requests being generated now")
+        self.lookup_memory = self.gauge("lookup_memory_tokens",
+                                        "tokens of earlier outputs held for lookup drafts (--lookup-memory-tokens)")
         self.prompt_tokens = c("prompt_tokens", "prompt tokens of started requests")
         self.generation_tokens = c("generation_tokens", "tokens generated")
         self.ttft = h("time_to_first_token_seconds", "from the request to its first token", LATENCY_BUCKETS)

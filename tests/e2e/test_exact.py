@@ -84,3 +84,17 @@ def test_adaptive_k_matches_target(tiny_cluster, expected):
         assert result.stats.accepted_tokens + result.stats.rounds == len(want)
         rounds += result.stats.rounds
     assert rounds > 0
+
+
+def test_a_greedy_request_drafts_from_an_earlier_requests_output(tiny_cluster, tiny_pair, smol_tokenizer):
+    """The orchestrator keeps recent outputs: the same request again drafts its tokens from
+    the first one's output (the lookup drafter's rule, longest match first), and its output
+    is still the target's."""
+    prompt = "Ticket 4417: the printer on the third floor jams on every second page since"
+    ((ids, want),) = cases(tiny_pair[2], smol_tokenizer, [prompt], MAX_NEW).values()
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["ngram"])
+    runs = [generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW, num_speculative_tokens=8)[1]
+            for _ in range(2)]
+    assert [list(r.token_ids) for r in runs] == [want, want]
+    first, again = (r.stats for r in runs)
+    assert again.accepted_tokens >= MAX_NEW // 2 and again.accepted_tokens > first.accepted_tokens, (first, again)

@@ -1,9 +1,10 @@
 """The orchestrator's incremental lookup index gives what the drafter's scan gives, at
-every length of a growing history."""
+every length of a growing history; the memory of earlier outputs drafts where a history
+has no match of its own, and forgets its oldest outputs first."""
 
 from hypothesis import given, settings, strategies as st
 
-from specdec.lookup import LookupIndex, suffix_match
+from specdec.lookup import LookupIndex, OutputMemory, suffix_match
 
 
 def test_suffix_match_takes_the_longest_suffix_and_its_latest_occurrence():
@@ -22,3 +23,35 @@ def test_the_index_equals_the_scan_at_every_length(tokens, k, bounds):
     for end in range(len(tokens) + 1):
         index.update(tokens[:end])
         assert index.match(k) == suffix_match(tokens[:end], k, max_n, min_n)
+
+
+def test_a_history_without_a_match_drafts_from_an_earlier_output():
+    memory = OutputMemory(max_tokens=100, max_n=3, min_n=2)
+    memory.add([5, 6, 7, 8, 9, 10])
+    index = LookupIndex(3, 2, memory)
+    index.update([1, 2, 3, 6, 7])
+    assert index.match(3) == [8, 9, 10]  # [6, 7] was followed by 8, 9, 10 in the earlier output
+    index.update([1, 2, 3, 6, 7, 1, 2])
+    assert index.match(3) == [3, 6, 7]  # its own [1, 2] match; the memory has none
+    memory.add([9, 7, 1, 2, 4, 4])
+    assert index.match(3) == [4, 4]  # the memory's [7, 1, 2] is longer
+    tie = OutputMemory(max_tokens=100, max_n=3, min_n=2)
+    tie.add([1, 2, 5])
+    own = LookupIndex(3, 2, tie)
+    own.update([1, 2, 3, 6, 7, 1, 2])
+    assert own.match(3) == [3, 6, 7]  # the memory's [1, 2] is no longer than its own: its own
+    assert LookupIndex(3, 2).match(3) == []
+
+
+def test_the_oldest_outputs_leave_the_memory_first():
+    memory = OutputMemory(max_tokens=10, max_n=2, min_n=1)
+    memory.add([1, 2, 3, 4])
+    memory.add([1, 2, 9, 9])
+    assert memory.match([7, 1, 2], 2) == [9, 9]  # the latest occurrence
+    memory.add([5, 6, 7])  # 11 tokens held: the first output leaves
+    assert memory.held == 7 and memory.match([3], 1) == []
+    assert memory.match([1, 2], 2) == [9, 9] and memory.match([6], 1) == [7]
+    memory.add([8, 8, 8, 8, 8, 8, 8, 8])  # 15 held: both others leave
+    assert memory.held == 8 and memory.match([1, 2], 2) == [] and memory.match([6], 1) == []
+    assert memory.match([8], 3) == [8]  # its latest occurrence: the output's end
+    assert all(number in memory.outputs for number, _ in memory.follows.values())  # no entry outlives its output
