@@ -1,0 +1,158 @@
+"""Repeated work: `specdec bench-repeat` (or `python -m deploy.bench_repeat`).
+
+Agents, retries and report generators send requests that repeat each other: the same
+template with other values. This replays such a workload through one deployment as
+`specdec up` starts it: requests from a few templates (the built-in ones, or --templates),
+in order, one at a time, each sent with the defaults and then at K = 0 (the target alone
+on the same deployment; sent second, so the defaults never draft from the output of the
+same request), greedy. Every pair of outputs must be equal. Reports the speedup (K = 0's
+time over the defaults') per request, over the first tenth of the requests (before the
+deployment has seen much) and over the rest, and the same run with the memory of
+earlier outputs off (`--lookup-memory-tokens 0`) when --compare-memory-off is given.
+Writes bench-repeat.json and bench-repeat.md to --out."""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from deploy import launch
+from specdec import modeling
+from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+
+# {name} {city} {lname}: the values of the fill; one template a line in --templates.
+TEMPLATES = (
+    "Write a JSON object for a customer named {name} who lives in {city}, with the keys name, city, country, "
+    "loyalty_level and notes. Reply with the JSON only.",
+    "Write a short status report for the {city} warehouse run by {name}, with the sections Summary, Stock, Issues "
+    "and Next steps.",
+    "Write a Python function get_{lname}_orders(db) that returns all orders of the customer {name} from the orders "
+    "table, with a docstring.",
+    "Draft a polite email from {name} to the {city} office asking to move the quarterly review to next week.",
+)
+FILLS = (("Alice", "Lisbon"), ("Bruno", "Oslo"), ("Chen", "Kyoto"), ("Dara", "Lima"), ("Emil", "Accra"),
+         ("Fatima", "Quebec"), ("Goran", "Perth"), ("Hana", "Riga"), ("Ivo", "Cusco"), ("Jun", "Turin"))
+
+
+def workload(templates: list[str], requests: int) -> list[str]:
+    """`requests` prompts: the templates in turn, each pass with the next fill."""
+    out = []
+    for i in range(requests):
+        name, city = FILLS[(i // len(templates)) % len(FILLS)]
+        out.append(templates[i % len(templates)].format(name=name, city=city, lname=name.lower()))
+    return out
+
+
+def replay(args, prompts: list[str], orchestrator_flags: list[str]) -> list[dict]:
+    numerics = ["--quantize", args.quantize]
+    services = launch.plan(args.target, args.draft, 1, launch.free_port(), args.dtype, args.device,
+                           verifier_flags=numerics, drafter_flags=numerics)
+    services[-1].argv += orchestrator_flags
+    launch.start(services, log=None if args.verbose else open(args.out / "services.log", "a"))
+    try:
+        launch.wait_serving(services, 600)
+        with grpc.insecure_channel(services[-1].address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+
+            def generate(text: str, k: int | None) -> tuple[float, list[int]]:
+                request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=text)]),
+                                             max_new_tokens=args.max_new_tokens)
+                if k is not None:
+                    request.num_speculative_tokens = k
+                started = time.perf_counter()
+                for event in stub.Generate(request):
+                    if event.HasField("result"):
+                        result = event.result
+                return time.perf_counter() - started, list(result.token_ids)
+
+            generate("Say hello.", 0)  # the first request's set-up out of the figures
+            rows = []
+            for i, text in enumerate(prompts):
+                default_s, default_out = generate(text, None)
+                plain_s, plain_out = generate(text, 0)
+                rows.append({"request": i, "tokens": len(plain_out), "default_s": default_s, "k0_s": plain_s,
+                             "speedup": plain_s / default_s, "same": default_out == plain_out})
+                print(f"{i}: {len(plain_out)} tokens, K = 0 {plain_s * 1e3:.0f} ms, defaults "
+                      f"{default_s * 1e3:.0f} ms ({plain_s / default_s:.2f}x)", flush=True)
+            return rows
+    finally:
+        launch.stop(services)
+
+
+def summary(rows: list[dict]) -> dict:
+    first = max(1, len(rows) // 10)
+
+    def part(part_rows):
+        return {"requests": len(part_rows), "median_speedup": statistics.median(r["speedup"] for r in part_rows),
+                "worst_speedup": min(r["speedup"] for r in part_rows),
+                "time_speedup": sum(r["k0_s"] for r in part_rows) / sum(r["default_s"] for r in part_rows)}
+
+    return {"first_tenth": part(rows[:first]), "rest": part(rows[first:] or rows[:first]),
+            "same": sum(r["same"] for r in rows), "checked": len(rows)}
+
+
+def markdown(runs: dict[str, dict], meta: dict) -> str:
+    lines = [f"target `{meta['target']}`, draft `{meta['draft']}`, {meta['requests']} requests from "
+             f"{meta['templates']} templates, {meta['max_new_tokens']} new tokens, greedy; each with the defaults, "
+             "then at K = 0 on the same deployment", "",
+             "| memory of outputs | requests | median speedup | worst | total time K = 0 / defaults | same output |",
+             "|---|---|---|---|---|---|"]
+    for name, run in runs.items():
+        s = run["summary"]
+        for label, part in (("first tenth", s["first_tenth"]), ("the rest", s["rest"])):
+            lines.append(f"| {name}, {label} | {part['requests']} | {part['median_speedup']:.2f}x | "
+                         f"{part['worst_speedup']:.2f}x | {part['time_speedup']:.2f}x | {s['same']}/{s['checked']} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="specdec bench-repeat", description=__doc__,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
+    parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
+    parser.add_argument("--templates", type=Path, help="one template a line, with {name}, {city}, {lname}")
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--compare-memory-off", action="store_true",
+                        help="replay again with the orchestrator's memory of outputs off")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
+    parser.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int8", "none"])
+    parser.add_argument("--verbose", action="store_true", help="the services' logs on this terminal")
+    parser.add_argument("--out", type=Path, default=Path("bench-repeat-out"))
+    return parser
+
+
+def main_with(args) -> int:
+    templates = list(TEMPLATES) if args.templates is None else [
+        line for line in args.templates.read_text().splitlines() if line.strip()]
+    if not templates or args.requests < 1:
+        raise SystemExit("--templates: none given, or --requests < 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompts = workload(templates, args.requests)
+    runs = {"on": {"rows": replay(args, prompts, [])}}
+    if args.compare_memory_off:
+        runs["off"] = {"rows": replay(args, prompts, ["--lookup-memory-tokens", "0"])}
+    for run in runs.values():
+        run["summary"] = summary(run["rows"])
+    meta = {"target": args.target, "draft": args.draft, "requests": args.requests, "templates": len(templates),
+            "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
+    (args.out / "bench-repeat.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
+    (args.out / "bench-repeat.md").write_text(markdown(runs, meta))
+    print((args.out / "bench-repeat.md").read_text())
+    if any(run["summary"]["same"] != run["summary"]["checked"] for run in runs.values()):
+        print("some outputs differ between the defaults and K = 0", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> None:
+    raise SystemExit(main_with(build_parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
