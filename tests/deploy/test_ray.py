@@ -254,8 +254,10 @@ def test_autoscaler_grows_and_shrinks_the_pool(deployment, tiny_pair, expected):
     from deploy.ray import launcher
 
     target_dir, draft_dir, _ = tiny_pair
+    # The model proposer: every round asks the drafter (lookup rounds, which the orchestrator
+    # drafts itself from the history or from the same request's earlier output, would not).
     scaled = launcher.up(str(target_dir), str(draft_dir), 1, port=free_port(), admin_port=free_port(),
-                         name="autoscaled",
+                         name="autoscaled", drafter_flags=["--proposer", "model"],
                          autoscale={"min": 1, "max": 3, "target_sessions": 1, "cooldown_s": 5})
     channel, admin_channel = grpc.insecure_channel(scaled.address), grpc.insecure_channel(scaled.admin_address)
     stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
