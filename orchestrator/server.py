@@ -89,10 +89,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.closing: set[asyncio.Task] = set()
         self.memory: OutputMemory | None = None  # earlier outputs, for every request's lookup drafts
 
-    def output_memory(self) -> OutputMemory | None:
-        """The shared memory of outputs, under the drafters' lookup rule (None: no rule, or
-        --lookup-memory-tokens 0); a new rule starts an empty one."""
-        rule = self.pool.lookup_rule
+    def output_memory(self, rule: tuple[int, int] | None) -> OutputMemory | None:
+        """The shared memory of outputs under a lookup rule (min, max match), the drafters'
+        (None: no rule, or --lookup-memory-tokens 0); a new rule starts an empty one."""
         if rule is None or self.limits.lookup_memory_tokens <= 0:
             return None
         if self.memory is None or (self.memory.min_n, self.memory.max_n) != rule:
@@ -207,12 +206,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         labelled = logs.request_metadata(req.label)
         verifier = VerifierLink(self.verifier, session_id, req.params, stats, self.limits.verifier_timeout_s,
                                 retry_s=self.limits.verifier_retry_s, deadline=deadline, metadata=labelled)
-        memory = self.output_memory()
         # Greedy requests only draft from other requests' outputs: a sampled request's tokens
         # depend on its drafts (their distribution does not), and its seed must reproduce them.
         drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
                               deadline=deadline, metadata=labelled,
-                              memory=memory if sampling.is_greedy(req.params) else None)
+                              memory=self.output_memory if sampling.is_greedy(req.params) else None)
         text = TextStream(self.tokenizer, req.stop)
         self.in_flight[session_id] = Flight(req.label, session_id, drafter, text)
         outcome, code, last = "cancelled", "CANCELLED", None  # what the finally records unless told otherwise
@@ -238,6 +236,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
             yield pb.GenerateResponse(result=self.result(req, text, stats))
             outcome, code = "ok", "OK"
+            memory = self.output_memory(self.pool.lookup_rule)
             if memory is not None:  # with the prompt's end, which its first tokens follow
                 memory.add(req.prompt[-memory.max_n:] + text.ids)
             metrics.e2e.observe(time.monotonic() - started)

@@ -182,9 +182,9 @@ class DrafterLink:
 
     def __init__(self, pool: DrafterPool, session_id: str, params: common_pb2.SamplingParams, stats: Stats,
                  timeout_s: float, deadline: Deadline = Deadline(None), metadata=(),
-                 memory: OutputMemory | None = None):
+                 memory: Callable[[tuple[int, int]], OutputMemory | None] | None = None):
         self.pool, self.session_id, self.params, self.stats = pool, session_id, params, stats
-        self.memory = memory  # earlier requests' outputs, where this history has no match
+        self.memory = memory  # earlier requests' outputs under a lookup rule, for longer matches than its own
         self.metadata = metadata
         self.timeout_s, self.deadline = timeout_s, deadline
         self.replica: Replica | None = None
@@ -201,8 +201,7 @@ class DrafterLink:
         if rule is None or self.refused:
             return []
         if self.lookup is None or (self.lookup.min_n, self.lookup.max_n) != rule:
-            self.lookup = LookupIndex(rule[1], rule[0], self.memory if self.memory and
-                                      (self.memory.min_n, self.memory.max_n) == rule else None)
+            self.lookup = LookupIndex(rule[1], rule[0], self.memory(rule) if self.memory else None)
         self.lookup.update(history)
         return self.lookup.match(k)
 

@@ -45,7 +45,7 @@ class LookupIndex:
         else:
             n, start = 0, None
         if self.memory is not None:
-            longer, found = self.memory.longest(tokens, k, n + 1)
+            _, found = self.memory.match(tokens, k, shortest=n + 1)
             if found:
                 return found
         return tokens[start:start + k] if start is not None else []
@@ -71,28 +71,28 @@ class OutputMemory:
         number, self.added = self.added, self.added + 1
         self.outputs[number] = tokens
         self.held += len(tokens)
-        for end in range(1, len(tokens)):  # the n-grams ending before tokens[end] are followed by it
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.follows[tuple(tokens[end - n:end])] = (number, end)
+        for key, end in self._ngrams(tokens):
+            self.follows[key] = (number, end)
         while self.held > self.max_tokens:
             self._drop(next(iter(self.outputs)))
 
     def _drop(self, number: int) -> None:
         tokens = self.outputs.pop(number)
         self.held -= len(tokens)
+        for key, _ in self._ngrams(tokens):
+            if self.follows.get(key, (None,))[0] == number:  # a later output may hold it now
+                del self.follows[key]
+
+    def _ngrams(self, tokens: list[int]):
+        """(n-gram, where what followed it starts) for each n-gram of min_n to max_n tokens."""
         for end in range(1, len(tokens)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                key = tuple(tokens[end - n:end])
-                if self.follows.get(key, (None,))[0] == number:
-                    del self.follows[key]
+                yield tuple(tokens[end - n:end]), end
 
-    def match(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix of `tokens` (min_n to max_n
-        long) in the latest output holding it; [] if none did."""
-        return self.longest(tokens, k, self.min_n)[1]
-
-    def longest(self, tokens: list[int], k: int, shortest: int) -> tuple[int, list[int]]:
-        """match() for suffixes of at least `shortest` tokens: (the suffix's length, the drafts)."""
+    def match(self, tokens: list[int], k: int, shortest: int = 1) -> tuple[int, list[int]]:
+        """Up to k tokens that followed the longest suffix of `tokens` (of at least
+        `shortest` and min_n, at most max_n tokens) in the latest output holding it:
+        (the suffix's length, the drafts); (0, []) if none did."""
         for n in range(min(self.max_n, len(tokens)), max(shortest, self.min_n) - 1, -1):
             found = self.follows.get(tuple(tokens[-n:]))
             if found is not None:

@@ -47,11 +47,11 @@ def test_the_oldest_outputs_leave_the_memory_first():
     memory = OutputMemory(max_tokens=10, max_n=2, min_n=1)
     memory.add([1, 2, 3, 4])
     memory.add([1, 2, 9, 9])
-    assert memory.match([7, 1, 2], 2) == [9, 9]  # the latest occurrence
+    assert memory.match([7, 1, 2], 2) == (2, [9, 9])  # the latest occurrence
     memory.add([5, 6, 7])  # 11 tokens held: the first output leaves
-    assert memory.held == 7 and memory.match([3], 1) == []
-    assert memory.match([1, 2], 2) == [9, 9] and memory.match([6], 1) == [7]
+    assert memory.held == 7 and memory.match([3], 1) == (0, [])
+    assert memory.match([1, 2], 2) == (2, [9, 9]) and memory.match([6], 1) == (1, [7])
     memory.add([8, 8, 8, 8, 8, 8, 8, 8])  # 15 held: both others leave
-    assert memory.held == 8 and memory.match([1, 2], 2) == [] and memory.match([6], 1) == []
-    assert memory.match([8], 3) == [8]  # its latest occurrence: the output's end
+    assert memory.held == 8 and memory.match([1, 2], 2) == (0, []) and memory.match([6], 1) == (0, [])
+    assert memory.match([8], 3) == (1, [8])  # its latest occurrence: the output's end
     assert all(number in memory.outputs for number, _ in memory.follows.values())  # no entry outlives its output
