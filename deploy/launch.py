@@ -110,7 +110,7 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
     orchestrator.http_port = http_port or free_port()
     orchestrator.argv = [*python, "orchestrator", "--host", HOST, "--port", str(port), "--admin-port", str(admin_port),
                          "--http-port", str(orchestrator.http_port),
-                         "--verifier", verifier.address, "--drafters", ",".join(d.address for d in drafters),
+                         "--verifiers", verifier.address, "--drafters", ",".join(d.address for d in drafters),
                          "--tokenizer", target, "--overlap" if overlap else "--no-overlap"]
     services = [verifier, *drafters, orchestrator]
     for service in services:

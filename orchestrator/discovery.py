@@ -1,10 +1,11 @@
-"""Where the drafter replica set comes from, and following it.
+"""Where the drafter and verifier replica sets come from, and following them.
 
-- a static list of addresses (--drafters);
-- DNS (--drafter-dns): a Kubernetes headless Service resolves to one address per ready
-  drafter pod;
-- Ray (--drafter-ray): the drafter controller actor knows its replicas' current
-  addresses (a restarted actor comes back on a new port) and can change their number.
+- a static list of addresses (--drafters, --verifiers);
+- DNS (--drafter-dns, --verifier-dns): a Kubernetes headless Service resolves to one
+  address per ready pod;
+- Ray (--drafter-ray, --verifier-ray): the replica controller actor knows its replicas'
+  current addresses (a restarted actor comes back on a new port) and can change their
+  number.
 
 The set is looked up periodically and the pool follows; a failed lookup keeps the
 current set (a hiccup must not empty the pool)."""
@@ -13,7 +14,6 @@ import asyncio
 import logging
 import socket
 
-from orchestrator.pool import DrafterPool
 
 log = logging.getLogger("orchestrator.discovery")
 
@@ -56,7 +56,7 @@ class DnsSource:
 
 
 class RaySource:
-    """The drafter controller actor of a Ray deployment (deploy/ray)."""
+    """A replica controller actor of a Ray deployment (deploy/ray)."""
 
     kind = "ray"
 
@@ -69,13 +69,13 @@ class RaySource:
         self.asks = ray.get(self.controller.cpus.remote())
 
     async def addresses(self) -> list[str]:
-        return sorted(await self.controller.drafter_addresses.remote())
+        return sorted(await self.controller.addresses.remote())
 
     async def scale(self, replicas: int) -> int:
         return await self.controller.scale.remote(replicas)
 
     def resources(self) -> str:
-        """What each drafter asks for and what the cluster has free, in words."""
+        """What each replica asks for and what the cluster has free, in words."""
         import ray
 
         free, asks = ray.available_resources(), self.asks
@@ -91,32 +91,18 @@ class RaySource:
         return tuple(await self.controller.counts.remote())
 
 
-def ray_locator(actor: str, namespace: str, address: str):
-    """-> an async function giving the address a Ray service actor (deploy/ray) listens on now."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
-    handle = ray.get_actor(actor, namespace=namespace)
-
-    async def locate() -> str:
-        return await handle.address.remote()
-
-    return locate
-
-
-async def follow(source, pool: DrafterPool, interval_s: float) -> None:
-    """Keeps the pool equal to the source's replica set."""
+async def follow(source, pool, interval_s: float, what: str = "drafters") -> None:
+    """Keeps the pool (of drafters or verifiers) equal to the source's replica set."""
     current: list[str] | None = None
     while True:
         try:
             addresses = await source.addresses()
         except Exception as err:  # a lookup failure of any kind keeps the current set
-            log.warning("looking up drafters (%s) failed: %s; keeping %d replicas", source.kind, err,
+            log.warning("looking up %s (%s) failed: %s; keeping %d replicas", what, source.kind, err,
                         len(pool.replicas))
         else:
             if addresses != current:
-                log.info("drafters (%s): %s", source.kind, ", ".join(addresses) or "none")
+                log.info("%s (%s): %s", what, source.kind, ", ".join(addresses) or "none")
                 pool.update(addresses)
                 current = addresses
         await asyncio.sleep(interval_s)

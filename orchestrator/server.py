@@ -24,12 +24,12 @@ from orchestrator import discovery
 from orchestrator.admission import Admission
 from orchestrator.autoscale import Autoscaler, Policy
 from orchestrator import openai_api
-from orchestrator.endpoint import VerifierEndpoint
 from orchestrator.openai_api import OpenAIFront
 from specdec.metrics import OrchestratorMetrics
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
 from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink, speculate
+from orchestrator.verifiers import VerifierPool
 from orchestrator.text import TextStream
 
 log = logging.getLogger("orchestrator")
@@ -74,6 +74,7 @@ class Flight:
     label: str
     session_id: str
     drafter: DrafterLink
+    verifier: VerifierLink
     text: TextStream
     started: float = field(default_factory=time.monotonic)
 
@@ -98,12 +99,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             self.memory = OutputMemory(self.limits.lookup_memory_tokens, rule[1], rule[0])
         return self.memory
 
-    def ready(self, tokenizer, verifier: VerifierEndpoint, pool: DrafterPool) -> None:
-        self.tokenizer, self.verifier, self.pool = tokenizer, verifier, pool
+    def ready(self, tokenizer, verifiers: VerifierPool, pool: DrafterPool) -> None:
+        self.tokenizer, self.verifiers, self.pool = tokenizer, verifiers, pool
 
     @property
     def info(self) -> common_pb2.ModelInfo:
-        return self.verifier.info
+        return self.verifiers.info
 
     # -- input -------------------------------------------------------------------------
 
@@ -185,8 +186,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         try:
             if self.tokenizer is None:
                 raise Unavailable("still starting: waiting for the verifier")
-            if self.verifier.problem is not None:
-                raise Precondition(self.verifier.problem)
+            if self.verifiers.problem is not None:
+                raise Precondition(self.verifiers.problem)
+            if self.verifiers.info is None:
+                raise Unavailable("no verifier replica is known now")
             req = self.parse(request)
             await self.admission.enter()  # a burst waits here for its turn
         except ServiceError as err:
@@ -204,7 +207,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         stats = Stats(on_round=metrics.round)
         deadline = Deadline(context.time_remaining())
         labelled = logs.request_metadata(req.label)
-        verifier = VerifierLink(self.verifier, session_id, req.params, stats, self.limits.verifier_timeout_s,
+        verifier = VerifierLink(self.verifiers, session_id, req.prompt, req.params, stats,
+                                self.limits.verifier_timeout_s,
                                 retry_s=self.limits.verifier_retry_s, deadline=deadline, metadata=labelled)
         # Greedy requests only draft from other requests' outputs: a sampled request's tokens
         # depend on its drafts (their distribution does not), and its seed must reproduce them.
@@ -212,7 +216,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                               deadline=deadline, metadata=labelled,
                               memory=self.output_memory if sampling.is_greedy(req.params) else None)
         text = TextStream(self.tokenizer, req.stop)
-        self.in_flight[session_id] = Flight(req.label, session_id, drafter, text)
+        self.in_flight[session_id] = Flight(req.label, session_id, drafter, verifier, text)
         outcome, code, last = "cancelled", "CANCELLED", None  # what the finally records unless told otherwise
         span = tracing.tracer.start_span("Generate", context=tracing.incoming(context), kind=trace.SpanKind.SERVER,
                                          attributes={"request_id": req.label, "session_id": session_id,
@@ -242,10 +246,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             metrics.e2e.observe(time.monotonic() - started)
             log.info("[%s] done: %d tokens in %d rounds (by drafts: %s; %d drafted by lookup, %d runs of the target "
                      "alone cut for one, %d probes beside runs, %d lookup tokens checked), acceptance %.2f, "
-                     "%d resyncs, %d drafter failovers", req.label, len(text.ids), stats.rounds,
+                     "%d resyncs, %d drafter failovers, %d verifier moves", req.label, len(text.ids), stats.rounds,
                      dict(sorted(stats.rounds_by_k.items())), stats.lookup_rounds, stats.runs_cut,
                      stats.probes_beside_runs, stats.lookups_checked, _rate(stats), stats.resyncs,
-                     stats.drafter_failovers)
+                     stats.drafter_failovers, stats.verifier_moves)
             if req.k is None:
                 log.debug("[%s] costs: %s", req.label, self.costs.describe())
         except grpc.aio.AioRpcError as err:
@@ -265,7 +269,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             del self.in_flight[session_id]
             self.admission.leave()
             # Release both sessions even when the client cancelled this call.
-            task = asyncio.ensure_future(self.close_sessions(req.label, drafter, verifier))
+            task = asyncio.ensure_future(self.close_sessions(req.label, drafter, verifier, req.prompt + text.ids))
             self.closing.add(task)
             task.add_done_callback(self.closing.discard)
 
@@ -275,10 +279,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         if self.closing:
             await asyncio.wait(set(self.closing), timeout=wait_s)
 
-    async def close_sessions(self, label: str, drafter: DrafterLink, verifier: VerifierLink) -> None:
-        for link in (drafter, verifier):
+    async def close_sessions(self, label: str, drafter: DrafterLink, verifier: VerifierLink,
+                             history: list[int]) -> None:
+        for link, close in ((drafter, drafter.close), (verifier, lambda: verifier.close(history))):
             try:
-                await link.close()
+                await close()
             except grpc.aio.AioRpcError as err:
                 log.warning("[%s] closing session %s failed: %s (the idle timeout will release it)",
                             label, link.session_id, err.code().name)
@@ -297,7 +302,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 acceptance_rate=_rate(stats), resyncs=stats.resyncs, drafter_failovers=stats.drafter_failovers,
                 accepted_per_position=stats.accepted_per_position, lookaheads=stats.lookaheads,
                 lookahead_hits=stats.lookahead_hits, draft_seconds=stats.draft_s, verify_seconds=stats.verify_s,
-                mean_batch_rows=stats.pass_rows / stats.rounds if stats.rounds else 0.0),
+                mean_batch_rows=stats.pass_rows / stats.rounds if stats.rounds else 0.0,
+                verifier_moves=stats.verifier_moves),
         )
 
 
@@ -307,27 +313,50 @@ class AdminServicer(orchestrator_pb2_grpc.OrchestratorAdminServiceServicer):
         self.pool: DrafterPool | None = None
         self.source = None
         self.autoscaler: Autoscaler | None = None
+        self.verifiers: VerifierPool | None = None
+        self.verifier_source = None
 
-    def ready(self, pool: DrafterPool, source, autoscaler: "Autoscaler | None") -> None:
+    def ready(self, pool: DrafterPool, source, autoscaler: "Autoscaler | None", verifiers: VerifierPool,
+              verifier_source) -> None:
         self.pool, self.source, self.autoscaler = pool, source, autoscaler
+        self.verifiers, self.verifier_source = verifiers, verifier_source
 
     async def ScaleDrafters(self, request: pb.ScaleDraftersRequest, context):
+        return await self._scale(context, self.source, "drafter", request.replicas, 0)
+
+    async def ScaleVerifiers(self, request: pb.ScaleVerifiersRequest, context):
+        return await self._scale(context, self.verifier_source, "verifier", request.replicas, 1)
+
+    async def _scale(self, context, source, what: str, replicas: int, fewest: int) -> pb.ScaleDraftersResponse:
         if self.pool is None:
             await abort(context, Unavailable("still starting"))
-        if not hasattr(self.source, "scale"):
-            await abort(context, Precondition(f"drafters come from a {self.source.kind} set; scale them there "
+        if not hasattr(source, "scale"):
+            await abort(context, Precondition(f"{what}s come from a {source.kind} set; scale them there "
                                               "(Ray deployments only)"))
-        if request.replicas < 0:
-            await abort(context, InvalidArgument("replicas", f"must be >= 0, got {request.replicas}"))
-        log.info("scaling drafters to %d (admin request)", request.replicas)
-        replicas = await self.source.scale(request.replicas)
-        _, starting, pending = await self.source.placement(PLACEMENT_WAIT_S)
+        if replicas < fewest:
+            await abort(context, InvalidArgument("replicas", f"must be >= {fewest}, got {replicas}"))
+        log.info("scaling %ss to %d (admin request)", what, replicas)
+        replicas = await source.scale(replicas)
+        _, starting, pending = await source.placement(PLACEMENT_WAIT_S)
         detail = ""
         if pending:
-            detail = (f"{pending} of {replicas} drafter replicas are not placed after {PLACEMENT_WAIT_S:.0f} s: "
-                      f"the cluster has no room for them now ({self.source.resources()})")
+            detail = (f"{pending} of {replicas} {what} replicas are not placed after {PLACEMENT_WAIT_S:.0f} s: "
+                      f"the cluster has no room for them now ({source.resources()})")
             log.warning("%s", detail)
         return pb.ScaleDraftersResponse(replicas=replicas, pending=pending, starting=starting, detail=detail)
+
+    async def ListVerifiers(self, request, context):
+        if self.verifiers is None:
+            await abort(context, Unavailable("still starting"))
+        now = time.monotonic()
+        return pb.ListVerifiersResponse(
+            replicas=[pb.VerifierReplica(address=r.address, sessions=r.sessions, healthy=r.usable(now),
+                                         free_kv_blocks=r.free_blocks, waiting_sessions=r.waiting,
+                                         pass_seconds=r.pass_s, routed_by_prefix=r.routed["prefix"],
+                                         routed_by_load=r.routed["load"], moved_away=r.moved_away,
+                                         in_set=not r.removed)
+                      for r in self.verifiers.replicas.values()],
+            source=self.verifier_source.kind)
 
     async def ListDrafters(self, request, context):
         if self.pool is None:
@@ -348,16 +377,17 @@ class AdminServicer(orchestrator_pb2_grpc.OrchestratorAdminServiceServicer):
         return pb.ListRequestsResponse(requests=[
             pb.RequestInFlight(request_id=f.label, session_id=f.session_id,
                                drafter=f.drafter.replica.address if f.drafter.replica else "",
+                               verifier=f.verifier.replica.address if f.verifier.replica else "",
                                generated_tokens=len(f.text.ids), elapsed_seconds=now - f.started)
             for f in list(self.requests.in_flight.values())])
 
 
-def drafter_source(args):
-    if args.drafter_ray:
-        return discovery.RaySource(args.drafter_ray, args.ray_namespace, args.ray_address)
-    if args.drafter_dns:
-        return discovery.DnsSource(args.drafter_dns)
-    return discovery.StaticSource([a.strip() for a in args.drafters.split(",") if a.strip()])
+def replica_source(addresses: str, dns: str, ray_controller: str, args):
+    if ray_controller:
+        return discovery.RaySource(ray_controller, args.ray_namespace, args.ray_address)
+    if dns:
+        return discovery.DnsSource(dns)
+    return discovery.StaticSource([a.strip() for a in addresses.split(",") if a.strip()])
 
 
 def autoscaler(args, pool: DrafterPool, source, metrics: OrchestratorMetrics | None = None) -> "Autoscaler | None":
@@ -392,20 +422,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="file of bearer tokens, one per line: Generate, Complete and the admin service then need "
              "'authorization: Bearer <token>' (health and reflection stay open)")
     security.add_client_flags(parser, "SPECDEC_ORCHESTRATOR")
-    add(parser, "--verifier", env="SPECDEC_VERIFIER_ADDRESS", default="127.0.0.1:50053", help="verifier host:port")
+    add(parser, "--verifiers", env="SPECDEC_VERIFIER_ADDRESSES", default="127.0.0.1:50053",
+        help="comma-separated verifier replica host:port list (each request keeps one replica for its life; "
+             "see orchestrator/verifiers.py)")
+    add(parser, "--verifier-dns", env="SPECDEC_VERIFIER_DNS", default="",
+        help="host:port of a headless Service whose addresses are the verifier replicas; replaces --verifiers")
     add(parser, "--verifier-ray", env="SPECDEC_VERIFIER_RAY", default="",
-        help="name of the verifier's Ray actor (deploy/ray): its address is looked up, and again after it "
-             "restarts; replaces --verifier")
+        help="name of the Ray verifier controller actor (deploy/ray); replaces --verifiers")
+    add(parser, "--verifier-route-slack", env="SPECDEC_VERIFIER_ROUTE_SLACK", type=int, default=4,
+        help="sessions a verifier replica may carry above the least-loaded one and still take a request whose "
+             "prompt prefix it holds (0: by load alone, ties to the prefix)")
     add(parser, "--drafters", env="SPECDEC_DRAFTER_ADDRESSES", default="127.0.0.1:50052",
         help="comma-separated drafter replica host:port list (empty: the target alone)")
     add(parser, "--drafter-dns", env="SPECDEC_DRAFTER_DNS", default="",
         help="host:port of a headless Service whose addresses are the drafter replicas; replaces --drafters")
     add(parser, "--drafter-ray", env="SPECDEC_DRAFTER_RAY", default="",
         help="name of the Ray drafter controller actor (deploy/ray); replaces --drafters")
-    add(parser, "--ray-address", env="SPECDEC_RAY_ADDRESS", default="auto", help="Ray cluster for --drafter-ray")
+    add(parser, "--ray-address", env="SPECDEC_RAY_ADDRESS", default="auto",
+        help="Ray cluster for --drafter-ray and --verifier-ray")
     add(parser, "--ray-namespace", env="SPECDEC_RAY_NAMESPACE", default="specdec", help="Ray namespace")
     add(parser, "--drafter-refresh-interval", env="SPECDEC_DRAFTER_REFRESH_INTERVAL", type=float, default=5.0,
-        help="seconds between two lookups of the drafter set (DNS or Ray)")
+        help="seconds between two lookups of the drafter and verifier sets (DNS or Ray), and between two checks "
+             "of each verifier's model")
     add(parser, "--autoscale", env="SPECDEC_AUTOSCALE", type=bool, default=False,
         help="size the Ray drafter pool from the measured load")
     add(parser, "--autoscale-min-replicas", env="SPECDEC_AUTOSCALE_MIN_REPLICAS", type=int, default=1,
@@ -462,18 +500,18 @@ async def serve(args, on_listen=None) -> None:
     metrics.serve(args.host, args.metrics_port)
     servicer = OrchestratorServicer(limits, metrics)
     admin = AdminServicer(servicer)
-    locate_verifier = (discovery.ray_locator(args.verifier_ray, args.ray_namespace, args.ray_address)
-                       if args.verifier_ray else None)
 
     async def load():
         tokenizer = await asyncio.to_thread(modeling.load_tokenizer, args.tokenizer)
         credentials, options = security.channel_credentials(args), security.channel_options(args)
-        address = await locate_verifier() if locate_verifier else args.verifier
-        verifier = VerifierEndpoint(address, modeling.vocab_fingerprint(tokenizer), args.tokenizer, credentials,
-                                    [*CHANNEL_OPTIONS, *options])
-        log.info("waiting for the verifier at %s", address)
-        info = await verifier.start(args.startup_timeout)
-        source = drafter_source(args)
+        verifier_source = replica_source(args.verifiers, args.verifier_dns, args.verifier_ray, args)
+        verifier_addresses = await verifier_source.addresses()
+        verifiers = VerifierPool(verifier_addresses, modeling.vocab_fingerprint(tokenizer), args.tokenizer,
+                                 credentials, [*CHANNEL_OPTIONS, *options], slack=args.verifier_route_slack,
+                                 refresh_s=args.drafter_refresh_interval, metrics=metrics)
+        log.info("waiting for a verifier (%s): %s", verifier_source.kind, ", ".join(verifier_addresses) or "none yet")
+        info = await verifiers.start(args.startup_timeout)
+        source = replica_source(args.drafters, args.drafter_dns, args.drafter_ray, args)
         addresses = await source.addresses()
         pool = DrafterPool(addresses, info.vocab_fingerprint, info.model_name, credentials=credentials,
                            options=options)
@@ -483,16 +521,17 @@ async def serve(args, on_listen=None) -> None:
                 log.info("drafter %s is compatible with the target %s", replica.address, info.model_name)
             except grpc.aio.AioRpcError as err:
                 log.warning("drafter %s not reachable yet (%s); will retry", replica.address, err.code().name)
-        servicer.ready(tokenizer, verifier, pool)
+        servicer.ready(tokenizer, verifiers, pool)
         metrics.in_flight.set_function(lambda: len(servicer.in_flight))
         metrics.lookup_memory.set_function(lambda: servicer.memory.held if servicer.memory else 0)
         metrics.replicas.labels("true").set_function(
             lambda: sum(r.healthy(time.monotonic()) for r in list(pool.replicas.values())))
         metrics.replicas.labels("false").set_function(
             lambda: sum(not r.healthy(time.monotonic()) for r in list(pool.replicas.values())))
-        admin.ready(pool, source, autoscaler(args, pool, source, metrics))
-        log.info("target %s (vocabulary %d), %d drafter replica(s) (%s)", info.model_name, info.vocab_size,
-                 len(addresses), source.kind)
+        admin.ready(pool, source, autoscaler(args, pool, source, metrics), verifiers, verifier_source)
+        log.info("target %s (vocabulary %d), %d verifier replica(s) (%s), %d drafter replica(s) (%s)",
+                 info.model_name, info.vocab_size, len(verifier_addresses), verifier_source.kind, len(addresses),
+                 source.kind)
 
     async def http():
         if not args.http_port:
@@ -505,8 +544,9 @@ async def serve(args, on_listen=None) -> None:
         finally:
             await runner.cleanup()
 
-    async def watch_verifier():
-        await servicer.verifier.watch(args.drafter_refresh_interval, locate_verifier)
+    async def follow_verifiers():
+        if admin.verifier_source.kind != "static":
+            await discovery.follow(admin.verifier_source, admin.verifiers, args.drafter_refresh_interval, "verifiers")
 
     async def follow_drafters():
         if admin.source.kind != "static":
@@ -526,9 +566,9 @@ async def serve(args, on_listen=None) -> None:
         load=load,
         on_listen=on_listen,
         grace_s=args.shutdown_grace,
-        background=[watch_verifier, follow_drafters, autoscale, http],
+        background=[follow_verifiers, follow_drafters, autoscale, http],
         security=server.security(args, args.auth_token_file),
-        serving=lambda: servicer.tokenizer is None or servicer.verifier.problem is None,
+        serving=lambda: servicer.tokenizer is None or servicer.verifiers.problem is None,
         drained=servicer.drained,
     )
 

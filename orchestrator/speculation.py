@@ -25,7 +25,7 @@ from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.pool import DrafterPool, Replica
 
 if TYPE_CHECKING:
-    from orchestrator.endpoint import VerifierEndpoint
+    from orchestrator.verifiers import VerifierPool, VerifierReplica
 
 log = logging.getLogger("orchestrator")
 
@@ -58,6 +58,7 @@ class Stats:
     accepted_tokens: int = 0
     resyncs: int = 0
     drafter_failovers: int = 0
+    verifier_moves: int = 0  # moves to another verifier replica (each a resync too)
     accepted_per_position: list[int] = field(default_factory=list)
     lookaheads: int = 0  # rounds drafted ahead, while the previous round was verified
     lookahead_hits: int = 0  # of those, rounds whose guess held and whose drafts were used
@@ -90,34 +91,74 @@ class Stats:
 
 
 class VerifierLink:
-    """A request's session on the verifier. A restarted verifier costs a resync; one
-    that is unreachable is retried for `retry_s` (a restart takes a few seconds), within
-    the client's deadline; then the request fails UNAVAILABLE."""
+    """A request's session on one verifier replica, which the pool picks by the request's
+    prompt and load at its first call. The replica losing the session costs a resync; a
+    replica that fails or leaves the set, a resync on another. With no replica to take it,
+    the request waits for one for `retry_s` (a restart takes a few seconds), within the
+    client's deadline; then it fails UNAVAILABLE."""
 
-    def __init__(self, endpoint: "VerifierEndpoint", session_id: str,
+    def __init__(self, pool: "VerifierPool", session_id: str, prompt: list[int],
                  params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retry_s: float = 15.0,
                  deadline: Deadline = Deadline(None), metadata=()):
-        self.endpoint, self.session_id, self.params, self.stats = endpoint, session_id, params, stats
+        self.pool, self.session_id, self.prompt = pool, session_id, prompt
+        self.params, self.stats = params, stats
         self.metadata = metadata  # the request's label, for the service's logs
         self.timeout_s, self.retry_s, self.deadline = timeout_s, retry_s, deadline
-        self.synced = 0  # committed tokens the verifier is known to hold
+        self.replica: "VerifierReplica | None" = None
+        self.left: "VerifierReplica | None" = None  # the replica it last failed on (it may come back)
+        self.synced = 0  # committed tokens the replica is known to hold
+
+    async def _stub(self):
+        """The session's replica's stub; a new replica (a resync) when its own left the set."""
+        if self.replica is not None and self.replica.removed:
+            log.info("[%s] verifier %s left the replica set; moving on", self.session_id, self.replica.address)
+            with contextlib.suppress(grpc.aio.AioRpcError):  # it may be gone already
+                await self.replica.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id),
+                                                     timeout=5, metadata=self.metadata)
+            self.drop()
+        if self.replica is None:
+            self.replica = self.pool.acquire(self.prompt)
+            if self.replica is None:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "no verifier replica can take a session now")
+            if self.left is not None and self.replica is not self.left:
+                log.info("[%s] verifier %s -> %s: a resync", self.session_id, self.left.address,
+                         self.replica.address)
+                self.left.moved_away += 1
+                self.pool.moved()
+                self.stats.verifier_moves += 1
+                if self.synced > 0:
+                    self.stats.resyncs += 1
+                    self.synced = 0
+            self.left = None
+        return self.replica.stub
+
+    def drop(self) -> None:
+        """Leaves the replica (it failed or left the set); the next call takes one again."""
+        if self.replica is not None:
+            self.left, self.replica = self.replica, None
+            self.pool.release(self.left)
+
+    def _answered(self, batch_pass: verifier_pb2.BatchPass) -> None:
+        self.pool.observe(self.replica, batch_pass)
 
     async def verify(self, history: list[int], drafts: list[int],
                      qs: list[common_pb2.SparseDistribution]) -> tuple[int, int, verifier_pb2.BatchPass]:
         """(accepted, the verifier's token, the batched pass that ran the round)"""
         retry = _Retry(self)
         while True:
-            request = verifier_pb2.VerifyRequest(
-                session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
-                draft_tokens=drafts, draft_probs=qs, sampling=self.params)
             try:
-                # The endpoint's stub of the moment: a verifier that moved is reached where it is now.
-                response = await self.endpoint.stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s),
-                                                           metadata=self.metadata + tracing.headers())
+                stub = await self._stub()
+                request = verifier_pb2.VerifyRequest(
+                    session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
+                    draft_tokens=drafts, draft_probs=qs, sampling=self.params)
+                response = await stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s),
+                                             metadata=self.metadata + tracing.headers())
             except grpc.aio.AioRpcError as err:
                 await retry.after(err)
                 continue
             self.synced = len(history)
+            self._answered(response.batch_pass)
             return response.num_accepted, response.next_token, response.batch_pass
 
     async def decode(self, history: list[int], max_tokens: int, stop: set[int]
@@ -127,33 +168,48 @@ class VerifierLink:
         from the tokens it gave."""
         retry, got = _Retry(self), []
         while len(got) < max_tokens and not (got and got[-1] in stop):
-            sent = history + got
-            request = verifier_pb2.DecodeRequest(
-                session_id=self.session_id, start=self.synced, new_tokens=sent[self.synced:], sampling=self.params,
-                max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop))
-            call = self.endpoint.stub.Decode(request, timeout=self.deadline.timeout(self.timeout_s),
-                                             metadata=self.metadata + tracing.headers())
+            call = None
             try:
+                stub = await self._stub()
+                sent = history + got
+                request = verifier_pb2.DecodeRequest(
+                    session_id=self.session_id, start=self.synced, new_tokens=sent[self.synced:],
+                    sampling=self.params, max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop))
+                call = stub.Decode(request, timeout=self.deadline.timeout(self.timeout_s),
+                                   metadata=self.metadata + tracing.headers())
                 async for message in call:
                     got.append(message.token_id)
                     self.synced = len(history) + len(got)  # it holds each token it picked
+                    self._answered(message.batch_pass)
                     yield message.token_id, message.batch_pass
             except grpc.aio.AioRpcError as err:
                 await retry.after(err)
                 continue
             finally:
-                call.cancel()  # a no-op after the end; if the caller stopped reading, the verifier stops
+                if call is not None:
+                    call.cancel()  # a no-op after the end; if the caller stopped reading, the verifier stops
             return
 
-    async def close(self) -> None:
-        await self.endpoint.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id),
-                                              timeout=5, metadata=self.metadata)
+    async def close(self, history: list[int] = ()) -> None:
+        """Ends the session; `history`: the request's tokens, which its replica now holds
+        for the requests that share them (prefix routing)."""
+        if self.replica is None:
+            return
+        replica = self.replica
+        self.replica = None
+        try:
+            self.pool.remember(list(history)[:self.synced], replica)
+            await replica.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id),
+                                            timeout=5, metadata=self.metadata)
+        finally:
+            self.pool.release(replica)
 
 
 class _Retry:
     """What one verifier call does after an error: a resync (once the session is known
-    lost), a pause while the verifier is unreachable (for up to `retry_s`, within the
-    client's deadline), or the error raised."""
+    lost); on an unreachable replica, a move to another one, or, with none, a pause
+    while it is unreachable (for up to `retry_s`, within the client's deadline); else
+    the error raised."""
 
     def __init__(self, link: VerifierLink):
         self.link, self.attempt, self.unreachable_since = link, 0, None
@@ -166,6 +222,12 @@ class _Retry:
             link.stats.resyncs += 1
             return
         if err.code() == grpc.StatusCode.UNAVAILABLE:
+            replica = link.replica
+            if replica is not None:
+                link.pool.mark_down(replica, err)
+                link.drop()
+                if link.pool.others(replica):
+                    return  # the next call goes to another replica at once
             self.unreachable_since = self.unreachable_since or time.monotonic()
             pause = min(2.0, 0.25 * 2 ** self.attempt)
             if time.monotonic() + pause - self.unreachable_since <= link.retry_s and \

@@ -105,6 +105,16 @@ class OrchestratorMetrics(Metrics):
         self.verifier_call = h("verifier_call_seconds", "Verify calls as the orchestrator sees them", LATENCY_BUCKETS)
         self.replicas = self.gauge("drafter_replicas", "drafter replicas in the pool", ["healthy"])
         self.scaling = c("autoscaler_decisions", "drafter pool sizes the autoscaler chose", ["direction"])
+        self.verifier_sessions = self.gauge("verifier_sessions", "requests paired with each verifier replica now",
+                                            ["replica"])
+        self.verifier_free_blocks = self.gauge("verifier_free_kv_blocks",
+                                               "KV blocks each verifier replica could hand out after its last pass",
+                                               ["replica"])
+        self.verifier_routed = c("verifier_routed", "sessions paired with a verifier replica, by rule (prefix: it "
+                                                    "holds the prompt's longest cached prefix; load: the least "
+                                                    "loaded)", ["replica", "rule"])
+        self.verifier_moves = c("verifier_moves", "sessions moved to another verifier replica (theirs failed or "
+                                                  "left the set)")
 
     def round(self, k: int, drafted: int, accepted: int, draft_s: float | None, verify_s: float) -> None:
         self.rounds.inc()

@@ -42,11 +42,12 @@ def drafter(model=None, name="drafter", port=None, proposer="model", extra=()) -
     return Service(name, port, [*PY, "drafter_service", "--host", HOST, "--port", str(port), *proposer, *extra])
 
 
-def orchestrator(verifier: Service, drafters: list[Service], tokenizer, name="orchestrator",
+def orchestrator(verifier: Service | list[Service], drafters: list[Service], tokenizer, name="orchestrator",
                  extra=()) -> Service:
     port, admin_port = free_port(), free_port()
+    verifiers = verifier if isinstance(verifier, list) else [verifier]
     return Service(name, port, [*PY, "orchestrator", "--host", HOST, "--port", str(port),
-                                "--admin-port", str(admin_port), "--verifier", verifier.address,
+                                "--admin-port", str(admin_port), "--verifiers", ",".join(v.address for v in verifiers),
                                 "--drafters", ",".join(d.address for d in drafters),
                                 "--tokenizer", str(tokenizer), "--startup-timeout", "120", *extra],
                    admin_port=admin_port)

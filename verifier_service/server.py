@@ -26,6 +26,11 @@ MAX_STOP_TOKENS = 64
 MAX_DECODE_TOKENS = 1024
 
 
+def batch_pass(done) -> verifier_pb2.BatchPass:
+    return verifier_pb2.BatchPass(rows=done.rows, tokens=done.tokens, seconds=done.seconds,
+                                  free_kv_blocks=done.free_blocks, waiting_sessions=done.waiting)
+
+
 def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> None:
     if not request.draft_probs:
         return
@@ -72,7 +77,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                 span.set_attributes({"accepted": a, "batch_rows": done.rows})
             return verifier_pb2.VerifyResponse(
                 num_accepted=a, next_token=t,
-                batch_pass=verifier_pb2.BatchPass(rows=done.rows, tokens=done.tokens, seconds=done.seconds))
+                batch_pass=batch_pass(done))
         except ServiceError as err:
             await abort(context, err)
 
@@ -100,8 +105,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                     # before another call may touch the session.
                     async with contextlib.aclosing(decode(seq, request, self.info.max_positions)) as steps:
                         async for token, done in steps:
-                            yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=verifier_pb2.BatchPass(
-                                rows=done.rows, tokens=done.tokens, seconds=done.seconds))
+                            yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done))
         except ServiceError as err:
             await abort(context, err)
 

@@ -245,6 +245,7 @@ class Engine:
                 logits, error = None, err
             done = Pass(len(batch), sum(row.n for row in batch), time.perf_counter() - started)
             with self.cond:
+                done.free_blocks, done.waiting = self.blocks.available, self.scheduler.waiting()
                 deciding = self._commit(batch, logits, error, done)
             if deciding:
                 # Decode steps pick their tokens outside the lock: a pick (softmax, sampling, a

@@ -24,6 +24,8 @@ class Pass:
     rows: int
     tokens: int
     seconds: float
+    free_blocks: int = 0  # blocks the pool could hand out after it
+    waiting: int = 0  # sessions waiting for blocks after it
 
 
 @dataclass(eq=False)

@@ -36,9 +36,31 @@ class FakeVerifier:
         return verifier_pb2.VerifyResponse(num_accepted=0, next_token=outcome)
 
 
+class OnePool:
+    """A verifier pool of one replica: the link under test sees every error of it."""
+
+    def __init__(self, stub):
+        self.replica = SimpleNamespace(stub=stub, removed=False, address="v")
+
+    def acquire(self, prompt):
+        return self.replica
+
+    def release(self, replica):
+        pass
+
+    def observe(self, replica, batch_pass):
+        pass
+
+    def mark_down(self, replica, err):
+        pass
+
+    def others(self, replica):
+        return False
+
+
 def verify(stub, history, synced, deadline=Deadline(None)):
     stats = Stats()
-    link = VerifierLink(SimpleNamespace(stub=stub), "s", PARAMS, stats, timeout_s=60, deadline=deadline)
+    link = VerifierLink(OnePool(stub), "s", history, PARAMS, stats, timeout_s=60, deadline=deadline)
     link.synced = synced
 
     async def go():
@@ -172,7 +194,7 @@ def test_a_decode_that_fails_part_way_goes_on_from_the_tokens_it_gave():
                       ([], error(grpc.StatusCode.FAILED_PRECONDITION, f"unknown session; {RESYNC_DETAIL}")),
                       ([7, 8, 9, 10], None))
     stats = Stats()
-    link = VerifierLink(SimpleNamespace(stub=stub), "s", PARAMS, stats, timeout_s=60)
+    link = VerifierLink(OnePool(stub), "s", [1, 2, 3, 4], PARAMS, stats, timeout_s=60)
     link.synced = 3
 
     async def go():
@@ -187,7 +209,7 @@ def test_a_decode_that_fails_part_way_goes_on_from_the_tokens_it_gave():
 
 def test_a_decode_the_caller_stops_reading_is_cancelled():
     stub = FakeDecode(([5, 6, 7, 8], None))
-    link = VerifierLink(SimpleNamespace(stub=stub), "s", PARAMS, Stats(), timeout_s=60)
+    link = VerifierLink(OnePool(stub), "s", [1, 2], PARAMS, Stats(), timeout_s=60)
 
     async def go():
         steps = link.decode([1, 2], 4, set())

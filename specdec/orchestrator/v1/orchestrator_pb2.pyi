@@ -79,7 +79,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "resyncs", "drafter_failovers", "accepted_per_position", "lookaheads", "lookahead_hits", "draft_seconds", "verify_seconds", "mean_batch_rows")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "resyncs", "drafter_failovers", "accepted_per_position", "lookaheads", "lookahead_hits", "draft_seconds", "verify_seconds", "mean_batch_rows", "verifier_moves")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class SpeculationStats(_message.Message):
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_MOVES_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -104,7 +105,8 @@ class SpeculationStats(_message.Message):
     draft_seconds: float
     verify_seconds: float
     mean_batch_rows: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., resyncs: _Optional[int] = ..., drafter_failovers: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., lookaheads: _Optional[int] = ..., lookahead_hits: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., mean_batch_rows: _Optional[float] = ...) -> None: ...
+    verifier_moves: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., resyncs: _Optional[int] = ..., drafter_failovers: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., lookaheads: _Optional[int] = ..., lookahead_hits: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., mean_batch_rows: _Optional[float] = ..., verifier_moves: _Optional[int] = ...) -> None: ...
 
 class Result(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stop_sequence", "usage", "stats")
@@ -183,21 +185,65 @@ class ListRequestsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RequestInFlight(_message.Message):
-    __slots__ = ("request_id", "session_id", "drafter", "generated_tokens", "elapsed_seconds")
+    __slots__ = ("request_id", "session_id", "drafter", "generated_tokens", "verifier", "elapsed_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     drafter: str
     generated_tokens: int
+    verifier: str
     elapsed_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., verifier: _Optional[str] = ..., elapsed_seconds: _Optional[float] = ...) -> None: ...
 
 class ListRequestsResponse(_message.Message):
     __slots__ = ("requests",)
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[RequestInFlight]
     def __init__(self, requests: _Optional[_Iterable[_Union[RequestInFlight, _Mapping]]] = ...) -> None: ...
+
+class ScaleVerifiersRequest(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: int
+    def __init__(self, replicas: _Optional[int] = ...) -> None: ...
+
+class ListVerifiersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifierReplica(_message.Message):
+    __slots__ = ("address", "sessions", "healthy", "free_kv_blocks", "waiting_sessions", "pass_seconds", "routed_by_prefix", "routed_by_load", "moved_away", "in_set")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_BY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_BY_LOAD_FIELD_NUMBER: _ClassVar[int]
+    MOVED_AWAY_FIELD_NUMBER: _ClassVar[int]
+    IN_SET_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    sessions: int
+    healthy: bool
+    free_kv_blocks: int
+    waiting_sessions: int
+    pass_seconds: float
+    routed_by_prefix: int
+    routed_by_load: int
+    moved_away: int
+    in_set: bool
+    def __init__(self, address: _Optional[str] = ..., sessions: _Optional[int] = ..., healthy: _Optional[bool] = ..., free_kv_blocks: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., routed_by_prefix: _Optional[int] = ..., routed_by_load: _Optional[int] = ..., moved_away: _Optional[int] = ..., in_set: _Optional[bool] = ...) -> None: ...
+
+class ListVerifiersResponse(_message.Message):
+    __slots__ = ("replicas", "source")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[VerifierReplica]
+    source: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[VerifierReplica, _Mapping]]] = ..., source: _Optional[str] = ...) -> None: ...

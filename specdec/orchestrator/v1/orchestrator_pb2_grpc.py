@@ -171,6 +171,16 @@ class OrchestratorAdminServiceStub:
                 request_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsRequest.SerializeToString,
                 response_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsResponse.FromString,
                 _registered_method=True)
+        self.ScaleVerifiers = channel.unary_unary(
+                '/specdec.orchestrator.v1.OrchestratorAdminService/ScaleVerifiers',
+                request_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleVerifiersRequest.SerializeToString,
+                response_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDraftersResponse.FromString,
+                _registered_method=True)
+        self.ListVerifiers = channel.unary_unary(
+                '/specdec.orchestrator.v1.OrchestratorAdminService/ListVerifiers',
+                request_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListVerifiersRequest.SerializeToString,
+                response_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListVerifiersResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorAdminServiceServicer:
@@ -195,7 +205,24 @@ class OrchestratorAdminServiceServicer:
 
     def ListRequests(self, request, context):
         """The requests in flight: each one's label, its session id on the services and
-        its drafter replica.
+        its drafter and verifier replicas.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScaleVerifiers(self, request, context):
+        """Sets the number of verifier replicas (verifiers launched through Ray only;
+        FAILED_PRECONDITION otherwise). A removed replica takes no new sessions; its
+        sessions move to another replica (a resync) at their next round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVerifiers(self, request, context):
+        """The verifier replicas the orchestrator uses now, with their load and the
+        routing decisions made so far.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -218,6 +245,16 @@ def add_OrchestratorAdminServiceServicer_to_server(servicer, server):
                     servicer.ListRequests,
                     request_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsRequest.FromString,
                     response_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'ScaleVerifiers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleVerifiers,
+                    request_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleVerifiersRequest.FromString,
+                    response_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDraftersResponse.SerializeToString,
+            ),
+            'ListVerifiers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVerifiers,
+                    request_deserializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListVerifiersRequest.FromString,
+                    response_serializer=specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListVerifiersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +339,60 @@ class OrchestratorAdminService:
             '/specdec.orchestrator.v1.OrchestratorAdminService/ListRequests',
             specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsRequest.SerializeToString,
             specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleVerifiers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.orchestrator.v1.OrchestratorAdminService/ScaleVerifiers',
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleVerifiersRequest.SerializeToString,
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ScaleDraftersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVerifiers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.orchestrator.v1.OrchestratorAdminService/ListVerifiers',
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListVerifiersRequest.SerializeToString,
+            specdec_dot_orchestrator_dot_v1_dot_orchestrator__pb2.ListVerifiersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,14 +34,18 @@ class VerifyResponse(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ...) -> None: ...
 
 class BatchPass(_message.Message):
-    __slots__ = ("rows", "tokens", "seconds")
+    __slots__ = ("rows", "tokens", "seconds", "free_kv_blocks", "waiting_sessions")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     rows: int
     tokens: int
     seconds: float
-    def __init__(self, rows: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    free_kv_blocks: int
+    waiting_sessions: int
+    def __init__(self, rows: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., free_kv_blocks: _Optional[int] = ..., waiting_sessions: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "start", "new_tokens", "sampling", "max_tokens", "stop_token_ids")

@@ -1,0 +1,161 @@
+"""The verifier pool's routing (prefix affinity within the load slack, else the least
+loaded) and a request's link moving off a replica that failed or left the set: one
+resync, the whole history sent to the new replica. The replicas' stubs are fakes."""
+
+import asyncio
+
+import grpc
+
+from orchestrator.speculation import Stats, VerifierLink
+from orchestrator.verifiers import PREFIX_CHUNK, VerifierPool, VerifierReplica, prefix_hashes
+from specdec.common.v1 import common_pb2
+from specdec.verifier.v1 import verifier_pb2
+
+PARAMS = common_pb2.SamplingParams(top_p=1.0)
+INFO = common_pb2.ModelInfo(model_name="target", vocab_fingerprint="fp", max_positions=2048)
+
+
+class FakeVerifier:
+    """Answers Verify with token 7, or raises its scripted errors first."""
+
+    def __init__(self, *errors):
+        self.errors, self.requests, self.closed = list(errors), [], []
+
+    async def Verify(self, request, timeout=None, metadata=None):
+        self.requests.append(request)
+        if self.errors:
+            raise self.errors.pop(0)
+        return verifier_pb2.VerifyResponse(num_accepted=0, next_token=7, batch_pass=verifier_pb2.BatchPass(
+            rows=1, tokens=1, seconds=0.01, free_kv_blocks=100))
+
+    async def CloseSession(self, request, timeout=None, metadata=None):
+        self.closed.append(request.session_id)
+
+
+class NoChannel:
+    async def close(self):
+        pass
+
+
+def pool_of(*stubs, slack=4) -> VerifierPool:
+    """A pool of checked replicas v0, v1, ... (no channels: the stubs are fakes)."""
+    pool = VerifierPool([], "fp", "tok", slack=slack)
+    for i, stub in enumerate(stubs):
+        pool.replicas[f"v{i}"] = VerifierReplica(f"v{i}", NoChannel(), stub, info=INFO)
+    return pool
+
+
+def test_prefix_hashes_cover_whole_pieces_and_depend_on_everything_before():
+    a = list(range(3 * PREFIX_CHUNK + 5))
+    b = a[:PREFIX_CHUNK] + [0] + a[PREFIX_CHUNK + 1:]
+    assert len(prefix_hashes(a)) == 3
+    assert prefix_hashes(a)[0] == prefix_hashes(b)[0]
+    assert all(x != y for x, y in zip(prefix_hashes(a)[1:], prefix_hashes(b)[1:]))
+
+
+def test_a_shared_prefix_goes_where_it_is_cached_until_that_replica_is_out_of_balance():
+    pool = pool_of(FakeVerifier(), FakeVerifier(), slack=2)
+    system = list(range(100, 100 + 2 * PREFIX_CHUNK))
+    first = pool.acquire(system + [1, 2, 3])
+    other = pool.acquire([5] * 10)  # by load: the other replica
+    assert other is not first and first.routed == {"prefix": 0, "load": 1}
+    # Follow-ups sharing the system prompt stay on the first one while it is within the slack...
+    taken = [pool.acquire(system + [i]) for i in range(3)]
+    assert taken == [first] * 3 and first.routed["prefix"] == 3
+    # ...then go by load: the first carries 4 sessions against the other's 1, more than 1 + 2.
+    assert pool.acquire(system + [9]) is other and other.routed["load"] == 2
+    # A short prompt (less than a piece) has no prefix to follow: the least loaded.
+    for _ in range(3):
+        pool.release(first)
+    assert pool.acquire([1, 2]) is first  # 1 session against 2
+
+
+def test_waiting_sessions_the_replica_reports_count_as_load():
+    pool = pool_of(FakeVerifier(), FakeVerifier())
+    v0, v1 = pool.replicas["v0"], pool.replicas["v1"]
+    pool.observe(v0, verifier_pb2.BatchPass(rows=4, tokens=4, seconds=0.02, free_kv_blocks=0, waiting_sessions=3))
+    assert [pool.acquire([i]) for i in range(3)] == [v1, v1, v1]
+    assert v0.free_blocks == 0 and v0.waiting == 3
+
+
+def test_a_replica_down_or_serving_another_model_takes_no_sessions():
+    pool = pool_of(FakeVerifier(), FakeVerifier())
+    v0, v1 = pool.replicas["v0"], pool.replicas["v1"]
+    pool.mark_down(v0, grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "gone"))
+    v1.problem = "another model"
+    assert pool.acquire([1]) is None
+    assert pool.problem is None  # v0 still serves the target: it is only down for now
+    v0.problem = "another model"
+    assert pool.problem == "another model"
+
+
+def run_request(pool, history, calls=2):
+    stats = Stats()
+    link = VerifierLink(pool, "s", history[:3], PARAMS, stats, timeout_s=60)
+
+    async def go():
+        for _ in range(calls):
+            await link.verify(history, [], [])
+            history.append(7)
+        await link.close(history)
+
+    asyncio.run(go())
+    return stats
+
+
+def test_a_request_on_a_replica_that_becomes_unreachable_moves_once_and_resends_its_history():
+    dying = FakeVerifier()
+    pool = pool_of(dying, FakeVerifier())
+    stats = Stats()
+    link = VerifierLink(pool, "s", [1, 2, 3], PARAMS, stats, timeout_s=60)
+    history = [1, 2, 3]
+
+    async def go():
+        await link.verify(history, [], [])
+        history.append(7)
+        dying.errors.append(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "connection refused"))
+        await link.verify(history, [], [])
+        history.append(7)
+        await link.verify(history, [], [])
+
+    asyncio.run(go())
+    survivor = pool.replicas["v1"].stub
+    assert [(r.start, list(r.new_tokens)) for r in dying.requests] == [(0, [1, 2, 3]), (3, [7])]
+    assert [(r.start, list(r.new_tokens)) for r in survivor.requests] == [(0, [1, 2, 3, 7]), (4, [7])]
+    assert stats.resyncs == 1 and stats.verifier_moves == 1
+    assert pool.replicas["v0"].moved_away == 1 and pool.replicas["v0"].sessions == 0
+    assert pool.replicas["v1"].sessions == 1
+
+
+def test_a_replica_that_leaves_the_set_has_its_sessions_moved_at_their_next_call_and_closed_there():
+    leaving = FakeVerifier()
+    pool = pool_of(leaving, FakeVerifier())
+    stats = Stats()
+    link = VerifierLink(pool, "s", [1, 2, 3], PARAMS, stats, timeout_s=60)
+    history = [1, 2, 3]
+
+    async def go():
+        await link.verify(history, [], [])
+        history.append(7)
+        replica = pool.replicas.pop("v0")  # what update() does to a replica gone from the set
+        replica.removed = True
+        await link.verify(history, [], [])
+        history.append(7)
+        await link.close(history)
+
+    asyncio.run(go())
+    assert leaving.closed == ["s"] and len(leaving.requests) == 1
+    survivor = pool.replicas["v1"].stub
+    assert [(r.start, list(r.new_tokens)) for r in survivor.requests] == [(0, [1, 2, 3, 7])]
+    assert survivor.closed == ["s"] and stats.resyncs == 1 and stats.verifier_moves == 1
+
+
+def test_a_finished_request_leaves_its_history_as_a_prefix_on_its_replica():
+    pool = pool_of(FakeVerifier(), FakeVerifier(), slack=0)
+    history = list(range(PREFIX_CHUNK - 3))
+    run_request(pool, history, calls=5)  # prompt + 5 tokens: one whole piece
+    held = next(r for r in pool.replicas.values() if r.routed["load"])
+    other = next(r for r in pool.replicas.values() if r is not held)
+    other.sessions = 0
+    # A chat's next turn (the first turn's prompt and answer, then more) goes back there.
+    assert pool.acquire(history + [1, 2, 3]) is held and held.routed["prefix"] == 1
