@@ -108,7 +108,8 @@ def ray_command(args) -> int:
         verifier_flags, drafter_flags = launch.service_flags(args)
         try:
             deployment = launcher.up(
-                args.target, args.draft, args.num_drafters, port=args.port, address=args.address,
+                args.target, args.draft, args.num_drafters, num_verifiers=args.num_verifiers, port=args.port,
+                address=args.address,
                 verifier_gpus=args.verifier_gpus, verifier_cpus=args.verifier_cpus, drafter_cpus=args.drafter_cpus,
                 orchestrator_cpus=args.orchestrator_cpus, dtype=args.dtype, device=args.device,
                 verifier_flags=verifier_flags, drafter_flags=drafter_flags,
@@ -141,14 +142,28 @@ def ray_command(args) -> int:
     with open_channel(args.admin, client_credentials(args)) as channel:
         admin = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel)
         try:
-            if args.ray_command == "scale-drafters":
-                reply = admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=args.replicas), timeout=120,
-                                            metadata=metadata)
-                print(f"drafter replicas: {reply.replicas} ({reply.replicas - reply.starting - reply.pending} "
+            if args.ray_command in ("scale-drafters", "scale-verifiers"):
+                if args.ray_command == "scale-drafters":
+                    reply = admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=args.replicas), timeout=120,
+                                                metadata=metadata)
+                else:
+                    reply = admin.ScaleVerifiers(pb.ScaleVerifiersRequest(replicas=args.replicas), timeout=120,
+                                                 metadata=metadata)
+                what = args.ray_command.split("-")[1][:-1]
+                print(f"{what} replicas: {reply.replicas} ({reply.replicas - reply.starting - reply.pending} "
                       f"serving, {reply.starting} starting, {reply.pending} pending)")
                 if reply.pending:
                     print(f"specdec ray: {reply.detail}", file=sys.stderr)
                     return 3
+            elif args.ray_command == "verifiers":
+                listing = admin.ListVerifiers(pb.ListVerifiersRequest(), timeout=10, metadata=metadata)
+                print(f"{len(listing.replicas)} verifier replicas ({listing.source})")
+                for r in listing.replicas:
+                    blocks = r.free_kv_blocks if r.free_kv_blocks >= 0 else "?"
+                    print(f"  {r.address}  sessions={r.sessions}  healthy={r.healthy}  free_kv_blocks={blocks}  "
+                          f"waiting={r.waiting_sessions}  pass={r.pass_seconds * 1000:.1f}ms  "
+                          f"routed: prefix={r.routed_by_prefix} load={r.routed_by_load}  moved_away={r.moved_away}"
+                          + ("" if r.in_set else "  (leaving)"))
             else:
                 listing = admin.ListDrafters(pb.ListDraftersRequest(), timeout=10, metadata=metadata)
                 print(f"{len(listing.replicas)} drafter replicas ({listing.source})")
@@ -220,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the orchestrator to be up")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     add_client_flags(g)
-    r = sub.add_parser("ray", help="launch on Ray and scale drafters")
+    r = sub.add_parser("ray", help="launch on Ray and scale drafters and verifiers")
     ray_sub = r.add_subparsers(dest="ray_command", required=True)
     ru = ray_sub.add_parser("up", help="start the services as Ray actors (local Ray, or --address)")
     flags.add(ru, "--address", env="SPECDEC_RAY_ADDRESS", default=None,
@@ -228,12 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(ru, "--target", env="SPECDEC_TARGET", default=defaults.DEFAULT_TARGET, help="target model")
     flags.add(ru, "--draft", env="SPECDEC_DRAFT", default=defaults.DEFAULT_DRAFT, help='draft model, or "ngram"')
     flags.add(ru, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
+    flags.add(ru, "--num-verifiers", env="SPECDEC_NUM_VERIFIERS", type=int, default=1,
+              help="verifier replicas (each asks for --verifier-gpus and --verifier-cpus)")
     flags.add(ru, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
     flags.add(ru, "--verifier-gpus", env="SPECDEC_VERIFIER_GPUS", default="auto",
-              help='GPUs for the verifier actor; "auto": 1 when the cluster has a GPU')
+              help='GPUs for each verifier actor; "auto": 1 when the cluster has a GPU')
     flags.add(ru, "--verifier-cpus", env="SPECDEC_VERIFIER_CPUS", type=float, default=None,
-              help="CPUs the verifier actor asks for (unset: 1 on a cluster, half the machine's on a local Ray, "
-                   "at most 1)")
+              help="CPUs each verifier actor asks for (unset: 1 on a cluster; on a local Ray the verifiers share "
+                   "half the machine's, at most 1)")
     flags.add(ru, "--drafter-cpus", env="SPECDEC_DRAFTER_CPUS", type=float, default=None,
               help="CPUs each drafter actor asks for (unset: 1 on a cluster, 0.25 on a local Ray)")
     flags.add(ru, "--orchestrator-cpus", env="SPECDEC_ORCHESTRATOR_CPUS", type=float, default=None,
@@ -252,7 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     rs = ray_sub.add_parser("scale-drafters", help="set the number of drafter replicas")
     rs.add_argument("replicas", type=int)
     rl = ray_sub.add_parser("drafters", help="list the drafter replicas and their load")
-    for p in (rs, rl):
+    rsv = ray_sub.add_parser("scale-verifiers", help="set the number of verifier replicas")
+    rsv.add_argument("replicas", type=int)
+    rlv = ray_sub.add_parser("verifiers", help="list the verifier replicas, their load and routing")
+    for p in (rs, rl, rsv, rlv):
         flags.add(p, "--admin", env="SPECDEC_ADMIN_ADDRESS", default="127.0.0.1:50050",
                   help="host:port of the orchestrator's admin service (loopback on the orchestrator's machine)")
         add_client_flags(p)

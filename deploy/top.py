@@ -1,7 +1,8 @@
 """`specdec top URL...`: a live terminal view of a deployment, read from its services'
 Prometheus endpoints (the URLs `specdec up` prints; on Kubernetes, port-forwarded).
 Throughput, acceptance overall and per draft position, K, latency percentiles, and the
-load of the verifier and of each drafter replica, refreshed every `--interval` seconds:
+load of each verifier and drafter replica (and the orchestrator's routing over the
+verifier replicas), refreshed every `--interval` seconds:
 rates and percentiles are over the last interval."""
 
 import argparse
@@ -98,6 +99,15 @@ def frame(endpoints: list[str], before: dict[str, Samples], now: dict[str, Sampl
                          f"{rate(url, 'specdec_rounds_without_drafter_total'):.2f} undrafted rounds/s; drafters "
                          f"{total(s, 'specdec_drafter_replicas', healthy='true'):.0f} healthy, "
                          f"{total(s, 'specdec_drafter_replicas', healthy='false'):.0f} down")
+            replicas = sorted({dict(ls)["replica"] for (n, ls) in s if n == "specdec_verifier_sessions"})
+            for replica in replicas:
+                routed = lambda rule: total(s, "specdec_verifier_routed_total", replica=replica, rule=rule)  # noqa: E731
+                lines.append(f"  verifier   {replica}: {total(s, 'specdec_verifier_sessions', replica=replica):.0f} "
+                             f"sessions, {total(s, 'specdec_verifier_free_kv_blocks', replica=replica):.0f} free KV "
+                             f"blocks; routed {routed('prefix'):.0f} by prefix, {routed('load'):.0f} by load")
+            if replicas:
+                lines.append(f"  moves      {total(s, 'specdec_verifier_moves_total'):.0f} sessions moved to another "
+                             f"verifier replica")
         else:  # a verifier or a drafter
             service = next((dict(ls).get("service") for (n, ls) in s if n == "specdec_open_sessions"), "?")
             passes = rate(url, "specdec_batch_rows_count")

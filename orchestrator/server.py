@@ -506,6 +506,10 @@ async def serve(args, on_listen=None) -> None:
         credentials, options = security.channel_credentials(args), security.channel_options(args)
         verifier_source = replica_source(args.verifiers, args.verifier_dns, args.verifier_ray, args)
         verifier_addresses = await verifier_source.addresses()
+        waited = time.monotonic() + args.startup_timeout
+        while not verifier_addresses and time.monotonic() < waited:  # replicas still loading (Ray, DNS)
+            await asyncio.sleep(min(1.0, args.drafter_refresh_interval))
+            verifier_addresses = await verifier_source.addresses()
         verifiers = VerifierPool(verifier_addresses, modeling.vocab_fingerprint(tokenizer), args.tokenizer,
                                  credentials, [*CHANNEL_OPTIONS, *options], slack=args.verifier_route_slack,
                                  refresh_s=args.drafter_refresh_interval, metrics=metrics)

@@ -1,4 +1,5 @@
-"""The Ray actors: one specdec service each, and the drafter controller."""
+"""The Ray actors: one specdec service each, and the replica controllers (one for the
+drafters, one for the verifiers)."""
 
 import asyncio
 import importlib
@@ -64,14 +65,15 @@ class ServiceActor:
         self._stop()
 
 
-class DrafterController:
-    """Owns the drafter replicas: starts and retires them, and tells the orchestrator
-    their current addresses (a replica Ray restarted listens on a new port)."""
+class ReplicaController:
+    """Owns one service's replicas (drafters or verifiers): starts and retires them, and
+    tells the orchestrator their current addresses (a replica Ray restarted listens on a
+    new port)."""
 
-    def __init__(self, name: str, drafter_argv: list[str], num_cpus: float, num_gpus: float, drain_s: float,
+    def __init__(self, name: str, service: str, argv: list[str], num_cpus: float, num_gpus: float, drain_s: float,
                  replicas: int = 0):
-        self.name = name
-        self.drafter_argv, self.num_cpus, self.num_gpus, self.drain_s = drafter_argv, num_cpus, num_gpus, drain_s
+        self.name, self.service = name, service
+        self.argv, self.num_cpus, self.num_gpus, self.drain_s = argv, num_cpus, num_gpus, drain_s
         self.replicas: list = []
         self.started_refs: dict = {}  # replica -> its first call, done once Ray has placed and started it
         self.names: dict = {}  # replica -> its name
@@ -83,16 +85,16 @@ class DrafterController:
         # new names (the old ones may not be released yet).
         self.incarnation = os.urandom(3).hex()
         if ray.get_runtime_context().was_current_actor_reconstructed:
-            log.warning("the drafter controller restarted: starting %d drafter replicas again", replicas)
+            log.warning("the %s controller restarted: starting %d replicas again", service, replicas)
         self._grow(replicas)
 
     def _grow(self, replicas: int) -> None:
         while len(self.replicas) < replicas:
             self.started += 1
-            name = f"{self.name}-drafter-{self.incarnation}-{self.started}"
+            name = f"{self.name}-{self.service}-{self.incarnation}-{self.started}"
             actor = ray.remote(ServiceActor).options(
                 name=name, num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=-1, max_task_retries=-1,
-            ).remote("drafter", self.drafter_argv, (ray.get_runtime_context().current_actor, name))
+            ).remote(self.service, self.argv, (ray.get_runtime_context().current_actor, name))
             self.replicas.append(actor)
             self.names[actor] = name
             self.started_refs[actor] = actor.address.remote()
@@ -110,7 +112,7 @@ class DrafterController:
             task = asyncio.ensure_future(self._retire(actor) if started else self._kill(actor))
             self.retiring.add(task)
             task.add_done_callback(self.retiring.discard)
-        log.info("drafter replicas: %d", len(self.replicas))
+        log.info("%s replicas: %d", self.service, len(self.replicas))
         return len(self.replicas)
 
     async def cpus(self) -> float:
@@ -160,7 +162,7 @@ class DrafterController:
             pass
         ray.kill(actor, no_restart=True)
 
-    async def drafter_addresses(self) -> list[str]:
+    async def addresses(self) -> list[str]:
         """Addresses of the replicas that are serving now (one restarting is left out)."""
 
         async def probe(actor):

@@ -125,7 +125,9 @@ def test_structure_fits_the_code(overlay):
         assert service["spec"]["selector"].items() <= target.items()
         (port,) = service["spec"]["ports"]
         assert port["port"] == ports[name] and port["targetPort"] == "grpc"
-    assert services["specdec-drafter"]["spec"]["clusterIP"] == "None"  # headless: one address per replica
+    for name in ("specdec-drafter", "specdec-verifier"):  # headless: one address per replica
+        assert services[name]["spec"]["clusterIP"] == "None", name
+    assert deployments["specdec-verifier"]["spec"]["replicas"] >= 2
 
     # The shared ConfigMap holds only variables some service reads (a typo would be ignored).
     read = set().union(*(flags.env_names(p) for p in scripts.values()))
@@ -133,15 +135,18 @@ def test_structure_fits_the_code(overlay):
         assert set(configmap["data"]) <= read, set(configmap["data"]) - read
 
     env = environment(container(deployments["specdec-orchestrator"]), docs)
-    assert env["SPECDEC_VERIFIER_ADDRESS"] == f"specdec-verifier:{ports['specdec-verifier']}"
+    assert env["SPECDEC_VERIFIER_DNS"] == f"specdec-verifier:{ports['specdec-verifier']}"
     assert env["SPECDEC_DRAFTER_DNS"] == f"specdec-drafter:{ports['specdec-drafter']}"
 
     (hpa,) = by_kind(docs, "HorizontalPodAutoscaler").values()
     assert hpa["spec"]["scaleTargetRef"]["name"] == "specdec-drafter"
+    budgets = {}
     for pdb in by_kind(docs, "PodDisruptionBudget").values():
         selected = pdb["spec"]["selector"]["matchLabels"]
-        assert any(selected.items() <= d["spec"]["template"]["metadata"]["labels"].items()
-                   for d in deployments.values())
+        (name,) = [n for n, d in deployments.items() if selected.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        budgets[name] = pdb["spec"]
+    # A voluntary disruption (a node drain) leaves a verifier serving.
+    assert budgets["specdec-verifier"]["maxUnavailable"] < deployments["specdec-verifier"]["spec"]["replicas"]
 
 
 def test_dockerfile_installs_what_the_manifests_run():
@@ -165,27 +170,35 @@ def default_target():
 
 
 def test_cpu_overlay_commands_serve_generate(default_target):
-    """Each container's command and environment, run as a local process: ports mapped
-    to free loopback ports, the Service names mapped to those addresses."""
+    """Each container's command and environment, run as local processes, the verifier
+    twice: ports mapped to free loopback ports, the Service names mapped to those
+    addresses. (The headless verifier Service's name would resolve to both pods; two
+    processes on one loopback address cannot share a port, so the orchestrator gets
+    their two addresses as a list.)"""
     docs = render("cpu")
     deployments = by_kind(docs, "Deployment")
-    services = [Service(name, free_port(), []) for name in ("specdec-verifier", "specdec-drafter",
-                                                             "specdec-orchestrator")]
-    # "specdec-verifier:50053" (a Service name and port) -> "127.0.0.1:<free port>"
-    local = {f"{s.name}:{container(deployments[s.name])['ports'][0]['containerPort']}": s.address for s in services}
-    envs = {}
+    names = ("specdec-verifier", "specdec-verifier", "specdec-drafter", "specdec-orchestrator")
+    services = [Service(name, free_port(), []) for name in names]
+    # "specdec-verifier:50053" (a Service name and port) -> "127.0.0.1:<free port>,..."
+    local = {}
+    for s in services:
+        key = f"{s.name}:{container(deployments[s.name])['ports'][0]['containerPort']}"
+        local[key] = ",".join(filter(None, [local.get(key), s.address]))
+    envs, admin_port = [], free_port()
     for service in services:
         c = container(deployments[service.name])
         env = {key: local.get(value, value) for key, value in environment(c, docs).items()}
+        if "SPECDEC_VERIFIER_DNS" in env:
+            env["SPECDEC_VERIFIER_ADDRESSES"] = env.pop("SPECDEC_VERIFIER_DNS")
         role = service.name.removeprefix("specdec-").upper()
         env[f"SPECDEC_{role}_HOST"], env[f"SPECDEC_{role}_PORT"] = HOST, str(service.port)
-        env["SPECDEC_ORCHESTRATOR_ADMIN_PORT"] = "0"  # loopback, any free port
+        env["SPECDEC_ORCHESTRATOR_ADMIN_PORT"] = str(admin_port)  # on loopback
         env[f"SPECDEC_{role}_METRICS_PORT"] = str(free_port())
         service.argv = [str(Path(sys.executable).parent / c["command"][0]), *c.get("args", [])]
-        envs[service.name] = {**os.environ, **env}
+        envs.append({**os.environ, **env})
     try:
-        for service in services:
-            service.process = subprocess.Popen(service.argv, env=envs[service.name])
+        for service, env in zip(services, envs):
+            service.process = subprocess.Popen(service.argv, env=env)
         wait_serving(services, 300)
         model, tokenizer = default_target
         question = "Name a primary color."
@@ -194,6 +207,10 @@ def test_cpu_overlay_commands_serve_generate(default_target):
             _, result = generate(orchestrator_pb2_grpc.OrchestratorServiceStub(channel),
                                  chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
                                  max_new_tokens=16)
-        assert list(result.token_ids) == want
+            assert list(result.token_ids) == want
+        with grpc.insecure_channel(f"{HOST}:{admin_port}") as channel:
+            listing = orchestrator_pb2_grpc.OrchestratorAdminServiceStub(channel).ListVerifiers(
+                pb.ListVerifiersRequest(), timeout=5)
+        assert sorted(r.address for r in listing.replicas) == sorted(s.address for s in services[:2])
     finally:
         stop(services)

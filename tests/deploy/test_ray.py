@@ -1,6 +1,6 @@
-"""specdec on a real local Ray instance: launch, scale drafters 1 -> 3 -> 1 under a
-steady stream of requests, a drafter actor, the controller and the verifier killed and
-found again, chaos under load, and the autoscaler."""
+"""specdec on a real local Ray instance: launch, scale drafters 1 -> 3 -> 1 and verifiers
+1 -> 2 -> 1 under a steady stream of requests, a drafter actor, the controller and a
+verifier killed and found again, chaos under load, and the autoscaler."""
 
 import random
 import subprocess
@@ -102,6 +102,58 @@ def test_scale_drafters_under_load(stubs, expected):
     assert len(results) >= 10 and all(results), (len(results), results.count(False))
 
 
+def wait_for_verifiers(admin, n: int, timeout_s: float = 120) -> float:
+    started = time.monotonic()
+    while sum(r.in_set for r in admin.ListVerifiers(pb.ListVerifiersRequest(), timeout=5).replicas) != n:
+        assert time.monotonic() - started < timeout_s, f"the orchestrator never saw {n} verifiers"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def test_scale_verifiers_under_load(stubs, expected):
+    """1 -> 2 -> 1 verifiers while three clients send requests in a closed loop: every
+    request exact, none failed; the second replica takes sessions, and the sessions on
+    the one retired move (a resync) to the other."""
+    stub, admin = stubs
+    stop, results, errors, moves = threading.Event(), [], [], []
+
+    def client(i):
+        while not stop.is_set():
+            ids, want = expected[PROMPTS[i % len(PROMPTS)]]
+            try:
+                _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60,
+                                     num_speculative_tokens=i % 3)
+                results.append(list(result.token_ids) == want)
+                moves.append(result.stats.verifier_moves)
+            except grpc.RpcError as err:
+                errors.append(err)
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1)
+        assert admin.ScaleVerifiers(pb.ScaleVerifiersRequest(replicas=2)).replicas == 2
+        print(f"1 -> 2 verifiers seen by the orchestrator in {wait_for_verifiers(admin, 2):.1f} s")
+        deadline = time.monotonic() + 60
+        while min(r.routed_by_load + r.routed_by_prefix
+                  for r in admin.ListVerifiers(pb.ListVerifiersRequest()).replicas) == 0:
+            assert time.monotonic() < deadline, "the new verifier never took a session"
+            time.sleep(0.2)
+        assert admin.ScaleVerifiers(pb.ScaleVerifiersRequest(replicas=1)).replicas == 1
+        print(f"2 -> 1 verifiers seen by the orchestrator in {wait_for_verifiers(admin, 1):.1f} s")
+        time.sleep(5)  # past the drain: the removed replica is stopped under load
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    assert len(results) >= 10 and all(results), (len(results), results.count(False))
+    assert max(moves) <= 1
+    print(f"{len(results)} requests, {sum(moves)} moved to the other verifier")
+
+
 def test_killed_drafter_actor_comes_back(deployment, stubs, expected, tiny_pair, smol_tokenizer):
     stub, admin = stubs
     wait_for_drafters(admin, 1)
@@ -150,13 +202,14 @@ def test_killed_controller_comes_back_with_its_replicas(deployment, stubs, expec
 
 def test_killed_verifier_is_found_again_on_its_new_port(deployment, stubs, expected):
     stub, _ = stubs
-    before = ray.get(deployment.verifier.address.remote())
-    ray.kill(deployment.verifier, no_restart=False)
+    (verifier,) = deployment.verifiers()
+    before = ray.get(verifier.address.remote())
+    ray.kill(verifier, no_restart=False)
     deadline = time.monotonic() + 180
     while True:
         try:  # a call that meets the actor between incarnations is refused (ActorUnavailableError): again
-            if ray.get(deployment.verifier.serving.remote(), timeout=10):
-                after = ray.get(deployment.verifier.address.remote(), timeout=10)
+            if ray.get(verifier.serving.remote(), timeout=10):
+                after = ray.get(verifier.address.remote(), timeout=10)
                 break
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass
@@ -187,6 +240,10 @@ def test_cli_lists_and_scales(deployment):
     listed = int(done.stdout.split(" drafter replicas")[0])
     starting = int(done.stdout.split("and ")[1].split(" starting")[0]) if "starting" in done.stdout else 0
     assert listed + starting == 2, done.stdout
+    done = run("verifiers")
+    assert done.returncode == 0 and done.stdout.startswith("1 verifier replicas (ray)") and "sessions=" in done.stdout
+    done = run("scale-verifiers", "0")
+    assert done.returncode == 1 and "INVALID_ARGUMENT" in done.stderr and "replicas" in done.stderr
 
 
 def test_chaos_under_ray(deployment, stubs, expected):
@@ -227,7 +284,7 @@ def test_chaos_under_ray(deployment, stubs, expected):
     try:
         time.sleep(2)
         for kind in ("drafter", "verifier", "orchestrator"):
-            actor = {"drafter": lambda: deployment.drafters()[0], "verifier": lambda: deployment.verifier,
+            actor = {"drafter": lambda: deployment.drafters()[0], "verifier": lambda: deployment.verifiers()[0],
                      "orchestrator": lambda: deployment.orchestrator}[kind]()
             killed = time.monotonic()
             ray.kill(actor, no_restart=False)

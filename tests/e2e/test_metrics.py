@@ -4,6 +4,7 @@ computes the same acceptance rate with PromQL (skipped, saying why, where there 
 `prometheus` binary: `make test` installs Debian's package where apt is available)."""
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -156,3 +157,8 @@ def test_specdec_top_shows_the_traffic(metered, smol_tokenizer):
     assert f"accepted   {rate:.2f} of drafts" in screen
     assert f" over {sum(s.rounds for s in stats)} rounds" in screen
     assert "verifier" in screen and "drafter" in screen and "0 sessions" in screen
+    # The orchestrator's view of its one verifier replica: every request was routed to it.
+    routed = top.total(now[urls[0]], "specdec_verifier_routed_total")
+    assert routed == top.total(now[urls[0]], "specdec_requests_total", outcome="ok") >= len(PROMPTS)
+    assert re.search(rf"verifier   {services['verifier'].address}: \d+ sessions, \d+ free KV blocks; routed "
+                     rf"\d+ by prefix, \d+ by load", screen), screen
