@@ -29,7 +29,7 @@ from specdec.metrics import OrchestratorMetrics
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
 from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink, speculate
-from orchestrator.verifiers import VerifierPool
+from orchestrator.verifiers import ROUTINGS, VerifierPool
 from orchestrator.text import TextStream
 
 log = logging.getLogger("orchestrator")
@@ -432,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--verifier-route-slack", env="SPECDEC_VERIFIER_ROUTE_SLACK", type=int, default=4,
         help="sessions a verifier replica may carry above the least-loaded one and still take a request whose "
              "prompt prefix it holds (0: by load alone, ties to the prefix)")
+    add(parser, "--verifier-routing", env="SPECDEC_VERIFIER_ROUTING", default="prefix", choices=ROUTINGS,
+        help="how a request's verifier replica is chosen: prefix (its cached prompt prefix within the slack, "
+             "else the least loaded) or round-robin")
     add(parser, "--drafters", env="SPECDEC_DRAFTER_ADDRESSES", default="127.0.0.1:50052",
         help="comma-separated drafter replica host:port list (empty: the target alone)")
     add(parser, "--drafter-dns", env="SPECDEC_DRAFTER_DNS", default="",
@@ -512,7 +515,7 @@ async def serve(args, on_listen=None) -> None:
             verifier_addresses = await verifier_source.addresses()
         verifiers = VerifierPool(verifier_addresses, modeling.vocab_fingerprint(tokenizer), args.tokenizer,
                                  credentials, [*CHANNEL_OPTIONS, *options], slack=args.verifier_route_slack,
-                                 refresh_s=args.drafter_refresh_interval, metrics=metrics)
+                                 refresh_s=args.drafter_refresh_interval, metrics=metrics, routing=args.verifier_routing)
         log.info("waiting for a verifier (%s): %s", verifier_source.kind, ", ".join(verifier_addresses) or "none yet")
         info = await verifiers.start(args.startup_timeout)
         source = replica_source(args.drafters, args.drafter_dns, args.drafter_ray, args)

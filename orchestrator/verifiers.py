@@ -11,6 +11,9 @@ prompt's prefix and by load:
   sessions on it plus those its last pass left waiting for KV memory; then the one
   with the shorter recent pass.
 
+`routing="round-robin"` takes the replicas in turn instead (the baseline the prefix
+rule is measured against: deploy/bench_prefix.py).
+
 A replica that fails or leaves the set costs its requests one resync on another
 replica at their next call: the orchestrator holds every request's history. Each
 replica's model is checked at connect, whenever its connection comes back and every
@@ -36,6 +39,7 @@ log = logging.getLogger("orchestrator.verifiers")
 
 PREFIX_CHUNK = 32  # tokens per hashed piece of a prompt (two of the engine's KV blocks)
 MAX_PREFIXES = 1 << 16  # pieces remembered, least recently used out first
+ROUTINGS = ("prefix", "round-robin")
 
 
 def prefix_hashes(tokens: list[int]) -> list[bytes]:
@@ -101,7 +105,10 @@ class VerifierReplica:
 class VerifierPool:
     def __init__(self, addresses: list[str], fingerprint: str, tokenizer: str,
                  credentials: grpc.ChannelCredentials | None = None, options=(), retry_s: float = 2.0,
-                 slack: int = 4, refresh_s: float = 5.0, metrics=None):
+                 slack: int = 4, refresh_s: float = 5.0, metrics=None, routing: str = "prefix"):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+        self.routing, self.turn = routing, 0
         self.fingerprint, self.tokenizer, self.metrics = fingerprint, tokenizer, metrics
         self.credentials, self.options = credentials, list(options)
         self.retry_s, self.slack, self.refresh_s = retry_s, slack, refresh_s
@@ -234,14 +241,20 @@ class VerifierPool:
         usable = [r for r in self.replicas.values() if r.usable(now)]
         if not usable:
             return None
-        least = min(usable, key=lambda r: (r.load(), r.pass_s))
         hashes = prefix_hashes(prompt)
+        if self.routing == "round-robin":
+            self.turn += 1
+            return self._take(usable[self.turn % len(usable)], "load", hashes)
+        least = min(usable, key=lambda r: (r.load(), r.pass_s))
         owner, _ = self.prefixes.owner(hashes)
         held = self.replicas.get(owner) if owner else None
         if held is not None and held in usable and held.load() <= least.load() + self.slack:
             chosen, rule = held, "prefix"
         else:
             chosen, rule = least, "load"
+        return self._take(chosen, rule, hashes)
+
+    def _take(self, chosen: VerifierReplica, rule: str, hashes: list[bytes]) -> VerifierReplica:
         chosen.routed[rule] += 1
         if self.metrics is not None:
             self.metrics.verifier_routed.labels(chosen.address, rule).inc()

@@ -159,3 +159,10 @@ def test_a_finished_request_leaves_its_history_as_a_prefix_on_its_replica():
     other.sessions = 0
     # A chat's next turn (the first turn's prompt and answer, then more) goes back there.
     assert pool.acquire(history + [1, 2, 3]) is held and held.routed["prefix"] == 1
+
+
+def test_round_robin_takes_the_replicas_in_turn_whatever_the_prefix():
+    pool = pool_of(FakeVerifier(), FakeVerifier(), FakeVerifier())
+    pool.routing = "round-robin"
+    system = list(range(100, 100 + PREFIX_CHUNK))
+    assert [pool.acquire(system + [i]).address for i in range(4)] == ["v1", "v2", "v0", "v1"]
