@@ -179,7 +179,7 @@ class VerifierPool:
 
     async def recheck(self, replica: VerifierReplica, wait_s: float = 0.0) -> None:
         """Asks the replica what it serves now: a model that does not fit makes it refuse
-        requests; one unreachable takes no new sessions for `retry_s`."""
+        requests; one that does not answer takes no new sessions until it does."""
         try:
             if wait_s:
                 info = await wait_for_info(replica.stub, verifier_pb2.GetModelInfoRequest(), wait_s)

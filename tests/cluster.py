@@ -15,6 +15,16 @@ from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 PY = [sys.executable, "-m"]
 
+# Prompts of different lengths and kinds, for many requests at once.
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Shopping list: eggs, milk, bread, eggs, milk,",
+    "Once upon a time, in a land far away, there lived",
+    "Q: What is 2 + 2?\nA:",
+    "A long time ago in a galaxy far, far away, a small band of rebels fought an empire whose",
+]
+
 # The numerics the services and the references run with. The default run is fp32 on the
 # CPU; the gpu and int8 suites run the exactness tests again under others.
 DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")

@@ -69,23 +69,40 @@ def test_generate_through_ray_matches_target(stubs, expected):
     assert listing.source == "ray" and len(listing.replicas) == 1
 
 
-def test_scale_drafters_under_load(stubs, expected):
-    stub, admin = stubs
-    stop, results, errors = threading.Event(), [], []
+class ClosedLoop:
+    """Three clients sending requests back to back (K fixed per client: 0, 1, 2, or chosen
+    per round) until stopped: whether each output was the target's, the errors, and each
+    request's moves to another verifier replica."""
 
-    def client(i):
-        while not stop.is_set():
+    def __init__(self, stub, expected, ks=(None, None, None)):
+        self.stop, self.results, self.errors, self.moves = threading.Event(), [], [], []
+        self.threads = [threading.Thread(target=self.client, args=(stub, expected, i, k)) for i, k in enumerate(ks)]
+        for t in self.threads:
+            t.start()
+
+    def client(self, stub, expected, i, k):
+        while not self.stop.is_set():
             ids, want = expected[PROMPTS[i % len(PROMPTS)]]
             try:
-                _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60)
-                results.append(list(result.token_ids) == want)
+                _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60,
+                                     **({} if k is None else {"num_speculative_tokens": k}))
+                self.results.append(list(result.token_ids) == want)
+                self.moves.append(result.stats.verifier_moves)
             except grpc.RpcError as err:
-                errors.append(err)
+                self.errors.append(err)
             i += 1
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+        assert not self.errors, self.errors[:3]
+        assert len(self.results) >= 10 and all(self.results), (len(self.results), self.results.count(False))
+
+
+def test_scale_drafters_under_load(stubs, expected):
+    stub, admin = stubs
+    load = ClosedLoop(stub, expected)
     try:
         time.sleep(1)
         assert admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=3)).replicas == 3
@@ -95,11 +112,7 @@ def test_scale_drafters_under_load(stubs, expected):
         print(f"3 -> 1 drafters seen by the orchestrator in {wait_for_drafters(admin, 1):.1f} s")
         time.sleep(5)  # past the drain: the removed replicas are stopped under load
     finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    assert not errors, errors[:3]
-    assert len(results) >= 10 and all(results), (len(results), results.count(False))
+        load.finish()
 
 
 def wait_for_verifiers(admin, n: int, timeout_s: float = 120) -> float:
@@ -111,27 +124,11 @@ def wait_for_verifiers(admin, n: int, timeout_s: float = 120) -> float:
 
 
 def test_scale_verifiers_under_load(stubs, expected):
-    """1 -> 2 -> 1 verifiers while three clients send requests in a closed loop: every
-    request exact, none failed; the second replica takes sessions, and the sessions on
-    the one retired move (a resync) to the other."""
+    """1 -> 2 -> 1 verifiers while three clients send requests back to back: every request
+    exact, none failed; the second replica takes sessions, and the sessions on the one
+    retired move (a resync each) to the other."""
     stub, admin = stubs
-    stop, results, errors, moves = threading.Event(), [], [], []
-
-    def client(i):
-        while not stop.is_set():
-            ids, want = expected[PROMPTS[i % len(PROMPTS)]]
-            try:
-                _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=60,
-                                     num_speculative_tokens=i % 3)
-                results.append(list(result.token_ids) == want)
-                moves.append(result.stats.verifier_moves)
-            except grpc.RpcError as err:
-                errors.append(err)
-            i += 1
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
+    load = ClosedLoop(stub, expected, ks=(0, 1, 2))
     try:
         time.sleep(1)
         assert admin.ScaleVerifiers(pb.ScaleVerifiersRequest(replicas=2)).replicas == 2
@@ -145,13 +142,9 @@ def test_scale_verifiers_under_load(stubs, expected):
         print(f"2 -> 1 verifiers seen by the orchestrator in {wait_for_verifiers(admin, 1):.1f} s")
         time.sleep(5)  # past the drain: the removed replica is stopped under load
     finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    assert not errors, errors[:3]
-    assert len(results) >= 10 and all(results), (len(results), results.count(False))
-    assert max(moves) <= 1
-    print(f"{len(results)} requests, {sum(moves)} moved to the other verifier")
+        load.finish()
+    assert max(load.moves) <= 1
+    print(f"{len(load.results)} requests, {sum(load.moves)} moved to the other verifier")
 
 
 def test_killed_drafter_actor_comes_back(deployment, stubs, expected, tiny_pair, smol_tokenizer):

@@ -10,16 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster import Stream, eventually, generate, pb, reference
+from cluster import PROMPTS, Stream, eventually, generate, pb, reference
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Shopping list: eggs, milk, bread, eggs, milk,",
-    "Once upon a time, in a land far away, there lived",
-    "Q: What is 2 + 2?\nA:",
-    "A long time ago in a galaxy far, far away, a small band of rebels fought an empire whose",
-]
 MAX_NEW = 40
 LONG = 300
 

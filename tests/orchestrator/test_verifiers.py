@@ -89,15 +89,20 @@ def test_a_replica_down_or_serving_another_model_takes_no_sessions():
     assert pool.problem == "another model"
 
 
-def run_request(pool, history, calls=2):
+def run_request(pool, history: list[int], calls: int = 2, after_first=lambda: None, close: bool = True) -> Stats:
+    """A request's link making `calls` Verify calls, each committing token 7, with
+    `after_first()` between the first and the second; then closed."""
     stats = Stats()
     link = VerifierLink(pool, "s", history[:3], PARAMS, stats, timeout_s=60)
 
     async def go():
-        for _ in range(calls):
+        for call in range(calls):
             await link.verify(history, [], [])
             history.append(7)
-        await link.close(history)
+            if call == 0:
+                after_first()
+        if close:
+            await link.close(history)
 
     asyncio.run(go())
     return stats
@@ -106,19 +111,8 @@ def run_request(pool, history, calls=2):
 def test_a_request_on_a_replica_that_becomes_unreachable_moves_once_and_resends_its_history():
     dying = FakeVerifier()
     pool = pool_of(dying, FakeVerifier())
-    stats = Stats()
-    link = VerifierLink(pool, "s", [1, 2, 3], PARAMS, stats, timeout_s=60)
-    history = [1, 2, 3]
-
-    async def go():
-        await link.verify(history, [], [])
-        history.append(7)
-        dying.errors.append(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "connection refused"))
-        await link.verify(history, [], [])
-        history.append(7)
-        await link.verify(history, [], [])
-
-    asyncio.run(go())
+    unreachable = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "connection refused")
+    stats = run_request(pool, [1, 2, 3], calls=3, after_first=lambda: dying.errors.append(unreachable), close=False)
     survivor = pool.replicas["v1"].stub
     assert [(r.start, list(r.new_tokens)) for r in dying.requests] == [(0, [1, 2, 3]), (3, [7])]
     assert [(r.start, list(r.new_tokens)) for r in survivor.requests] == [(0, [1, 2, 3, 7]), (4, [7])]
@@ -130,20 +124,11 @@ def test_a_request_on_a_replica_that_becomes_unreachable_moves_once_and_resends_
 def test_a_replica_that_leaves_the_set_has_its_sessions_moved_at_their_next_call_and_closed_there():
     leaving = FakeVerifier()
     pool = pool_of(leaving, FakeVerifier())
-    stats = Stats()
-    link = VerifierLink(pool, "s", [1, 2, 3], PARAMS, stats, timeout_s=60)
-    history = [1, 2, 3]
 
-    async def go():
-        await link.verify(history, [], [])
-        history.append(7)
-        replica = pool.replicas.pop("v0")  # what update() does to a replica gone from the set
-        replica.removed = True
-        await link.verify(history, [], [])
-        history.append(7)
-        await link.close(history)
+    def leave():  # what update() does to a replica gone from the set
+        pool.replicas.pop("v0").removed = True
 
-    asyncio.run(go())
+    stats = run_request(pool, [1, 2, 3], after_first=leave)
     assert leaving.closed == ["s"] and len(leaving.requests) == 1
     survivor = pool.replicas["v1"].stub
     assert [(r.start, list(r.new_tokens)) for r in survivor.requests] == [(0, [1, 2, 3, 7])]

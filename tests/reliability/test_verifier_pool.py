@@ -10,27 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster import Cluster, Stream, drafter, eventually, generate, orchestrator, pb, reference, verifier
+from cluster import PROMPTS, Cluster, Stream, drafter, eventually, generate, orchestrator, pb, verifier
+from cluster import cases as greedy_cases
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Shopping list: eggs, milk, bread, eggs, milk,",
-    "Once upon a time, in a land far away, there lived",
-    "Q: What is 2 + 2?\nA:",
-    "A long time ago in a galaxy far, far away, a small band of rebels fought an empire whose",
-]
 MAX_NEW = 40
 LONG = 400
 
 
 @pytest.fixture(scope="module")
 def cases(tiny_pair, smol_tokenizer):
-    out = []
-    for prompt in PROMPTS:
-        ids = smol_tokenizer(prompt)["input_ids"]
-        out.append((ids, reference(tiny_pair[2], ids, LONG)))
-    return out
+    return list(greedy_cases(tiny_pair[2], smol_tokenizer, PROMPTS, LONG).values())
 
 
 @pytest.fixture(scope="module")
