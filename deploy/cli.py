@@ -102,6 +102,12 @@ def ray_command(args) -> int:
         if args.autoscale:
             autoscale = {"min": args.autoscale_min_replicas, "max": args.autoscale_max_replicas,
                          "target_sessions": args.autoscale_target_sessions, "cooldown_s": args.autoscale_cooldown}
+        autoscale_verifiers = None
+        if args.autoscale_verifiers:
+            autoscale_verifiers = {"min": args.autoscale_verifiers_min_replicas,
+                                   "max": args.autoscale_verifiers_max_replicas,
+                                   "target_sessions": args.autoscale_verifiers_target_sessions,
+                                   "cooldown_s": args.autoscale_cooldown}
         import ray
 
         started = time.monotonic()
@@ -115,7 +121,7 @@ def ray_command(args) -> int:
                 verifier_flags=verifier_flags, drafter_flags=drafter_flags,
                 orchestrator_flags=["--overlap" if args.overlap else "--no-overlap",
                                     "--http-port", str(args.http_port)],
-                autoscale=autoscale,
+                autoscale=autoscale, autoscale_verifiers=autoscale_verifiers,
                 admin_port=args.admin_port,
                 startup_timeout_s=args.startup_timeout)
         except (launcher.PlacementError, TimeoutError) as err:
@@ -164,6 +170,8 @@ def ray_command(args) -> int:
                           f"waiting={r.waiting_sessions}  pass={r.pass_seconds * 1000:.1f}ms  "
                           f"routed: prefix={r.routed_by_prefix} load={r.routed_by_load}  moved_away={r.moved_away}"
                           + ("" if r.in_set else "  (leaving)"))
+                if listing.last_scaling_decision:
+                    print(f"last autoscaling decision: {listing.last_scaling_decision}")
             else:
                 listing = admin.ListDrafters(pb.ListDraftersRequest(), timeout=10, metadata=metadata)
                 print(f"{len(listing.replicas)} drafter replicas ({listing.source})")
@@ -264,6 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
               help="most drafters")
     flags.add(ru, "--autoscale-target-sessions", env="SPECDEC_AUTOSCALE_TARGET_SESSIONS", type=float, default=4.0,
               help="requests per drafter the pool is sized for")
+    flags.add(ru, "--autoscale-verifiers", env="SPECDEC_AUTOSCALE_VERIFIERS", type=bool, default=False,
+              help="size the verifier pool from the load (sessions, and sessions waiting for KV memory)")
+    flags.add(ru, "--autoscale-verifiers-min-replicas", env="SPECDEC_AUTOSCALE_VERIFIERS_MIN_REPLICAS", type=int,
+              default=1, help="fewest verifiers")
+    flags.add(ru, "--autoscale-verifiers-max-replicas", env="SPECDEC_AUTOSCALE_VERIFIERS_MAX_REPLICAS", type=int,
+              default=4, help="most verifiers")
+    flags.add(ru, "--autoscale-verifiers-target-sessions", env="SPECDEC_AUTOSCALE_VERIFIERS_TARGET_SESSIONS",
+              type=float, default=16.0, help="requests per verifier the pool is sized for")
     flags.add(ru, "--autoscale-cooldown", env="SPECDEC_AUTOSCALE_COOLDOWN", type=float, default=30.0,
               help="seconds between two scaling decisions")
     rs = ray_sub.add_parser("scale-drafters", help="set the number of drafter replicas")

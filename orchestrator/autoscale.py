@@ -1,7 +1,9 @@
-"""Drafter autoscaling from the load the orchestrator measures: requests paired with a
-drafter. Grows the pool as soon as replicas carry more than the target load; shrinks it
-only to the highest size wanted over the last cool-down (so a momentary dip between
-requests does not drop replicas), and changes it at most once per cool-down."""
+"""Autoscaling of a replica pool (drafters, or verifiers) from the load the orchestrator
+measures: requests paired with a replica, and for verifiers also the sessions their
+passes left waiting for KV memory. Grows the pool as soon as replicas carry more than
+the target load; shrinks it only to the highest size wanted over the last cool-down (so
+a momentary dip between requests does not drop replicas), and changes it at most once
+per cool-down."""
 
 import asyncio
 import logging
@@ -9,8 +11,6 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-
-from orchestrator.pool import DrafterPool
 
 log = logging.getLogger("orchestrator.autoscale")
 
@@ -33,8 +33,8 @@ class Policy:
 
 
 class Autoscaler:
-    def __init__(self, policy: Policy, pool: DrafterPool, source, interval_s: float = 1.0, metrics=None):
-        self.policy, self.pool, self.source, self.interval_s = policy, pool, source, interval_s
+    def __init__(self, policy: Policy, pool, source, interval_s: float = 1.0, metrics=None, what: str = "drafters"):
+        self.policy, self.pool, self.source, self.interval_s, self.what = policy, pool, source, interval_s, what
         self.metrics = metrics  # specdec.metrics.OrchestratorMetrics, or None
         self.target = len(pool.replicas)  # the size last asked for (replicas may still be starting)
         self.wanted: deque[tuple[float, int]] = deque()  # (time, desired) over the last cool-down
@@ -43,18 +43,18 @@ class Autoscaler:
 
     async def step(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        sessions = sum(r.sessions for r in self.pool.replicas.values())
+        sessions = sum(r.sessions + getattr(r, "waiting", 0) for r in self.pool.replicas.values())
         self.wanted.append((now, self.policy.desired(sessions)))
         while self.wanted[0][0] < now - self.policy.cooldown_s:
             self.wanted.popleft()
         want = max(d for _, d in self.wanted)
         if want == self.target or now - self.last_change < self.policy.cooldown_s:
             return
-        self.last_decision = (f"{time.strftime('%H:%M:%S')} {self.target} -> {want} drafters: {sessions} sessions, "
-                              f"target {self.policy.target_sessions:g} per replica")
+        self.last_decision = (f"{time.strftime('%H:%M:%S')} {self.target} -> {want} {self.what}: {sessions} "
+                              f"sessions, target {self.policy.target_sessions:g} per replica")
         log.info("autoscale: %s", self.last_decision)
         if self.metrics is not None:
-            self.metrics.scaling.labels("up" if want > self.target else "down").inc()
+            self.metrics.scaling.labels(self.what, "up" if want > self.target else "down").inc()
         self.last_change = now
         self.target = await self.source.scale(want)
 

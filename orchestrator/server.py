@@ -315,11 +315,12 @@ class AdminServicer(orchestrator_pb2_grpc.OrchestratorAdminServiceServicer):
         self.autoscaler: Autoscaler | None = None
         self.verifiers: VerifierPool | None = None
         self.verifier_source = None
+        self.verifier_autoscaler: Autoscaler | None = None
 
     def ready(self, pool: DrafterPool, source, autoscaler: "Autoscaler | None", verifiers: VerifierPool,
-              verifier_source) -> None:
+              verifier_source, verifier_autoscaler: "Autoscaler | None" = None) -> None:
         self.pool, self.source, self.autoscaler = pool, source, autoscaler
-        self.verifiers, self.verifier_source = verifiers, verifier_source
+        self.verifiers, self.verifier_source, self.verifier_autoscaler = verifiers, verifier_source, verifier_autoscaler
 
     async def ScaleDrafters(self, request: pb.ScaleDraftersRequest, context):
         return await self._scale(context, self.source, "drafter", request.replicas, 0)
@@ -356,7 +357,8 @@ class AdminServicer(orchestrator_pb2_grpc.OrchestratorAdminServiceServicer):
                                          routed_by_load=r.routed["load"], moved_away=r.moved_away,
                                          in_set=not r.removed)
                       for r in self.verifiers.replicas.values()],
-            source=self.verifier_source.kind)
+            source=self.verifier_source.kind,
+            last_scaling_decision=self.verifier_autoscaler.last_decision if self.verifier_autoscaler else "")
 
     async def ListDrafters(self, request, context):
         if self.pool is None:
@@ -398,6 +400,17 @@ def autoscaler(args, pool: DrafterPool, source, metrics: OrchestratorMetrics | N
     policy = Policy(args.autoscale_min_replicas, args.autoscale_max_replicas, args.autoscale_target_sessions,
                     args.autoscale_cooldown)
     return Autoscaler(policy, pool, source, metrics=metrics)
+
+
+def verifier_autoscaler(args, pool: VerifierPool, source, metrics: OrchestratorMetrics | None = None
+                        ) -> "Autoscaler | None":
+    if not args.autoscale_verifiers:
+        return None
+    if not hasattr(source, "scale"):
+        raise SystemExit("--autoscale-verifiers needs verifiers launched through Ray (--verifier-ray)")
+    policy = Policy(max(1, args.autoscale_verifiers_min_replicas), args.autoscale_verifiers_max_replicas,
+                    args.autoscale_verifiers_target_sessions, args.autoscale_cooldown)
+    return Autoscaler(policy, pool, source, metrics=metrics, what="verifiers")
 
 
 def _rate(stats: Stats) -> float:
@@ -455,6 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="most drafters the autoscaler starts")
     add(parser, "--autoscale-target-sessions", env="SPECDEC_AUTOSCALE_TARGET_SESSIONS", type=float, default=4.0,
         help="requests per drafter replica the autoscaler sizes the pool for")
+    add(parser, "--autoscale-verifiers", env="SPECDEC_AUTOSCALE_VERIFIERS", type=bool, default=False,
+        help="size the Ray verifier pool from the measured load (sessions, and sessions waiting for KV memory)")
+    add(parser, "--autoscale-verifiers-min-replicas", env="SPECDEC_AUTOSCALE_VERIFIERS_MIN_REPLICAS", type=int,
+        default=1, help="fewest verifiers the autoscaler keeps (at least 1)")
+    add(parser, "--autoscale-verifiers-max-replicas", env="SPECDEC_AUTOSCALE_VERIFIERS_MAX_REPLICAS", type=int,
+        default=4, help="most verifiers the autoscaler starts")
+    add(parser, "--autoscale-verifiers-target-sessions", env="SPECDEC_AUTOSCALE_VERIFIERS_TARGET_SESSIONS",
+        type=float, default=16.0, help="requests per verifier replica the autoscaler sizes the pool for")
     add(parser, "--autoscale-cooldown", env="SPECDEC_AUTOSCALE_COOLDOWN", type=float, default=30.0,
         help="seconds between two scaling decisions")
     add(parser, "--tokenizer", env="SPECDEC_ORCHESTRATOR_TOKENIZER", default=modeling.DEFAULT_TARGET,
@@ -535,7 +556,8 @@ async def serve(args, on_listen=None) -> None:
             lambda: sum(r.healthy(time.monotonic()) for r in list(pool.replicas.values())))
         metrics.replicas.labels("false").set_function(
             lambda: sum(not r.healthy(time.monotonic()) for r in list(pool.replicas.values())))
-        admin.ready(pool, source, autoscaler(args, pool, source, metrics), verifiers, verifier_source)
+        admin.ready(pool, source, autoscaler(args, pool, source, metrics), verifiers, verifier_source,
+                    verifier_autoscaler(args, verifiers, verifier_source, metrics))
         log.info("target %s (vocabulary %d), %d verifier replica(s) (%s), %d drafter replica(s) (%s)",
                  info.model_name, info.vocab_size, len(verifier_addresses), verifier_source.kind, len(addresses),
                  source.kind)
@@ -563,6 +585,10 @@ async def serve(args, on_listen=None) -> None:
         if admin.autoscaler is not None:
             await admin.autoscaler.run()
 
+    async def autoscale_verifiers():
+        if admin.verifier_autoscaler is not None:
+            await admin.verifier_autoscaler.run()
+
     await server.serve(
         name="orchestrator", host=args.host, port=args.port,
         service_names=[pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name],
@@ -573,7 +599,7 @@ async def serve(args, on_listen=None) -> None:
         load=load,
         on_listen=on_listen,
         grace_s=args.shutdown_grace,
-        background=[follow_verifiers, follow_drafters, autoscale, http],
+        background=[follow_verifiers, follow_drafters, autoscale, autoscale_verifiers, http],
         security=server.security(args, args.auth_token_file),
         serving=lambda: servicer.tokenizer is None or servicer.verifiers.problem is None,
         drained=servicer.drained,

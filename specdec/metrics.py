@@ -104,7 +104,7 @@ class OrchestratorMetrics(Metrics):
         self.drafter_call = h("drafter_call_seconds", "Propose calls as the orchestrator sees them", LATENCY_BUCKETS)
         self.verifier_call = h("verifier_call_seconds", "Verify calls as the orchestrator sees them", LATENCY_BUCKETS)
         self.replicas = self.gauge("drafter_replicas", "drafter replicas in the pool", ["healthy"])
-        self.scaling = c("autoscaler_decisions", "drafter pool sizes the autoscaler chose", ["direction"])
+        self.scaling = c("autoscaler_decisions", "pool sizes the autoscaler chose", ["pool", "direction"])
         self.verifier_sessions = self.gauge("verifier_sessions", "requests paired with each verifier replica now",
                                             ["replica"])
         self.verifier_free_blocks = self.gauge("verifier_free_kv_blocks",

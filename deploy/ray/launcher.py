@@ -106,7 +106,8 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
        verifier_cpus: float | None = None, drafter_cpus: float | None = None,
        orchestrator_cpus: float | None = None, dtype: str = "float32", device: str | None = None,
        verifier_flags: list[str] = (), drafter_flags: list[str] = (), orchestrator_flags: list[str] = (),
-       refresh_s: float = 0.5, drain_s: float = 3.0, autoscale: dict | None = None, name: str = "specdec",
+       refresh_s: float = 0.5, drain_s: float = 3.0, autoscale: dict | None = None,
+       autoscale_verifiers: dict | None = None, name: str = "specdec",
        startup_timeout_s: float = 600, admin_port: int = 50050) -> RayDeployment:
     """Starts the deployment and returns once every service is serving. Its actors are
     named `{name}-verifier-controller`, `{name}-verifier-<incarnation>-<i>`,
@@ -117,7 +118,8 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
     CPU requests left unset are `local_cpus` on a local Ray and 1 each on a cluster; a
     deployment the cluster cannot hold raises PlacementError before any actor starts.
     autoscale: {"min": 1, "max": 4, "target_sessions": 4, "cooldown_s": 30} turns the
-    orchestrator's drafter autoscaler on."""
+    orchestrator's drafter autoscaler on; autoscale_verifiers (the same keys, target_sessions
+    16 by default) its verifier autoscaler."""
     if not ray.is_initialized():
         # A local Ray stays on loopback, like every service of a one-machine deployment.
         ray.init(address=address, namespace=namespace,
@@ -162,6 +164,12 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
                  "--autoscale-max-replicas", str(autoscale.get("max", 4)),
                  "--autoscale-target-sessions", str(autoscale.get("target_sessions", 4)),
                  "--autoscale-cooldown", str(autoscale.get("cooldown_s", 30))]
+    if autoscale_verifiers:
+        argv += ["--autoscale-verifiers",
+                 "--autoscale-verifiers-min-replicas", str(autoscale_verifiers.get("min", 1)),
+                 "--autoscale-verifiers-max-replicas", str(autoscale_verifiers.get("max", 4)),
+                 "--autoscale-verifiers-target-sessions", str(autoscale_verifiers.get("target_sessions", 16)),
+                 "--autoscale-cooldown", str(autoscale_verifiers.get("cooldown_s", 30))]
     orchestrator = ray.remote(ServiceActor).options(
         name=f"{name}-orchestrator", num_cpus=orchestrator_cpus, max_restarts=3,
         resources={"node:__internal_head__": 0.001} if on_cluster else {},

@@ -74,3 +74,14 @@ def test_no_decision_when_the_size_is_right():
     scaler = Autoscaler(Policy(1, 4, target_sessions=2, cooldown_s=0), pool, source)
     steps(scaler, 0)
     assert source.calls == [] and scaler.last_decision == ""
+
+
+def test_verifiers_are_sized_by_their_sessions_and_those_waiting_for_kv_memory():
+    from orchestrator.verifiers import VerifierPool, VerifierReplica
+
+    pool, source = VerifierPool([], "fp", "tok"), Source()
+    for i, (sessions, waiting) in enumerate([(16, 10), (16, 0)]):
+        pool.replicas[f"v{i}"] = VerifierReplica(f"v{i}", None, None, sessions=sessions, waiting=waiting)
+    scaler = Autoscaler(Policy(1, 4, target_sessions=16, cooldown_s=10), pool, source, what="verifiers")
+    steps(scaler, 100)                    # 32 sessions, 10 more waiting for blocks: 3 replicas
+    assert source.calls == [3] and "2 -> 3 verifiers: 42 sessions" in scaler.last_decision

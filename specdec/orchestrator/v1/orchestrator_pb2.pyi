@@ -241,9 +241,11 @@ class VerifierReplica(_message.Message):
     def __init__(self, address: _Optional[str] = ..., sessions: _Optional[int] = ..., healthy: _Optional[bool] = ..., free_kv_blocks: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., routed_by_prefix: _Optional[int] = ..., routed_by_load: _Optional[int] = ..., moved_away: _Optional[int] = ..., in_set: _Optional[bool] = ...) -> None: ...
 
 class ListVerifiersResponse(_message.Message):
-    __slots__ = ("replicas", "source")
+    __slots__ = ("replicas", "source", "last_scaling_decision")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SCALING_DECISION_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[VerifierReplica]
     source: str
-    def __init__(self, replicas: _Optional[_Iterable[_Union[VerifierReplica, _Mapping]]] = ..., source: _Optional[str] = ...) -> None: ...
+    last_scaling_decision: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[VerifierReplica, _Mapping]]] = ..., source: _Optional[str] = ..., last_scaling_decision: _Optional[str] = ...) -> None: ...
