@@ -83,7 +83,7 @@ class RaySource:
                 f"{ray.cluster_resources().get('CPU', 0.0):g} CPUs are free")
 
     async def placement(self, wait_s: float) -> tuple[int, int, int]:
-        """(serving, starting, pending) replicas; see DrafterController.placement."""
+        """(serving, starting, pending) replicas; see ReplicaController.placement."""
         return tuple(await self.controller.placement.remote(wait_s))
 
     async def counts(self) -> tuple[int, int, int]:

@@ -188,8 +188,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 raise Unavailable("still starting: waiting for the verifier")
             if self.verifiers.problem is not None:
                 raise Precondition(self.verifiers.problem)
-            if self.verifiers.info is None:
-                raise Unavailable("no verifier replica is known now")
             req = self.parse(request)
             await self.admission.enter()  # a burst waits here for its turn
         except ServiceError as err:

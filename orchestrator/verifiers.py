@@ -116,6 +116,7 @@ class VerifierPool:
         self.prefixes = PrefixOwners()
         self.checked = asyncio.Event()  # some replica's model was checked
         self.first_error: IncompatiblePair | None = None
+        self.served: common_pb2.ModelInfo | None = None  # the model a fitting replica served last
         self.update(addresses)
 
     # -- the set -----------------------------------------------------------------------
@@ -148,12 +149,14 @@ class VerifierPool:
 
     @property
     def info(self) -> common_pb2.ModelInfo | None:
-        """The model the pool serves: a usable replica's, else any checked one's."""
+        """The model the pool serves: a usable replica's, else any checked one's, else the
+        last one a replica fitting the pool served (while every replica restarts, requests
+        are taken and wait for one: VerifierLink)."""
         now = time.monotonic()
         checked = [r for r in self.replicas.values() if r.info is not None]
         usable = [r for r in checked if r.usable(now)]
         pick = usable or checked
-        return pick[0].info if pick else None
+        return pick[0].info if pick else self.served
 
     @property
     def problem(self) -> str | None:
@@ -206,6 +209,7 @@ class VerifierPool:
                 log.info("the verifier at %s now serves %s (%d positions)", replica.address, info.model_name,
                          info.max_positions)
             replica.problem, replica.info, replica.down_until = None, info, 0.0
+            self.served = info
         self.checked.set()
 
     async def watch(self, replica: VerifierReplica) -> None:

@@ -151,3 +151,18 @@ def test_round_robin_takes_the_replicas_in_turn_whatever_the_prefix():
     pool.routing = "round-robin"
     system = list(range(100, 100 + PREFIX_CHUNK))
     assert [pool.acquire(system + [i]).address for i in range(4)] == ["v1", "v2", "v0", "v1"]
+
+
+def test_a_request_waits_for_a_replica_while_the_set_is_empty():
+    """Every replica restarting (gone from the set until it serves again): the request
+    waits for one, within --verifier-retry-timeout, instead of failing."""
+    pool = pool_of()
+    pool.served = INFO
+    link = VerifierLink(pool, "s", [1, 2, 3], PARAMS, Stats(), timeout_s=60, retry_s=5)
+
+    async def go():
+        back = VerifierReplica("v0", NoChannel(), FakeVerifier(), info=INFO)
+        asyncio.get_running_loop().call_later(0.3, pool.replicas.__setitem__, "v0", back)
+        return await link.verify([1, 2, 3], [], [])
+
+    assert pool.info is INFO and asyncio.run(go())[1] == 7
