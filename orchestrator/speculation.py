@@ -68,6 +68,9 @@ class Stats:
     rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per number of drafts
     drafter_resyncs: int = 0  # of resyncs, those of the drafter session
     lookup_rounds: int = 0  # rounds the drafter drafted by prompt lookup
+    lookup_accepted: int = 0  # their accepted drafts
+    memory_rounds: int = 0  # of lookup rounds, those drafted from earlier requests' outputs
+    memory_accepted: int = 0  # and their accepted drafts
     runs_cut: int = 0  # runs of the target alone stopped early for a lookup round
     probes_beside_runs: int = 0  # drafts checked against a run's tokens, not verified in a round
     lookups_checked: int = 0  # tokens of runs checked against the lookup's next token
@@ -266,6 +269,11 @@ class DrafterLink:
             self.lookup = LookupIndex(rule[1], rule[0], self.memory(rule) if self.memory else None)
         self.lookup.update(history)
         return self.lookup.match(k)
+
+    @property
+    def lookup_from_memory(self) -> bool:
+        """Whether the last lookup drafts came from earlier requests' outputs."""
+        return self.lookup is not None and self.lookup.from_memory
 
     async def propose(self, history: list[int], k: int, committed: int | None = None
                       ) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
@@ -514,6 +522,7 @@ async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: Ver
     ahead and their guess held). With `look_ahead`, the drafter drafts the next round
     while this one is verified."""
     lookup = bool(by_lookup)
+    from_memory = lookup and drafter.lookup_from_memory
     # The round's span is current only while this coroutine runs (never across the
     # caller's yield): its calls, and a look-ahead started in it, are its children.
     span = tracing.tracer.start_span("round", context=trace_context, attributes={"k": k})
@@ -540,6 +549,9 @@ async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: Ver
         # 3. Adapt: the policy learns what the round's drafts got and what it cost.
         policy.observe(len(drafts), accepted, draft_s, verified - drafted, batch_pass, lookup)
         stats.lookup_rounds += lookup
+        stats.lookup_accepted += accepted if lookup else 0
+        stats.memory_rounds += from_memory
+        stats.memory_accepted += accepted if from_memory else 0
         stats.observe_pass(batch_pass)
         stats.draft_s += drafted - started
         stats.verify_s += verified - drafted

@@ -26,6 +26,7 @@ class LookupIndex:
         self.max_n, self.min_n, self.memory = max_n, min_n, memory
         self.tokens: list[int] = []
         self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> start of what followed it last
+        self.from_memory = False  # whether the last match came from the memory
 
     def update(self, history: list[int]) -> None:
         """Takes in the tokens `history` has beyond those already seen (it only grows)."""
@@ -44,9 +45,11 @@ class LookupIndex:
                 break
         else:
             n, start = 0, None
+        self.from_memory = False
         if self.memory is not None:
             _, found = self.memory.match(tokens, k, shortest=n + 1)
             if found:
+                self.from_memory = True
                 return found
         return tokens[start:start + k] if start is not None else []
 

@@ -84,6 +84,10 @@ class OrchestratorMetrics(Metrics):
         self.in_flight = self.gauge("requests_in_flight", "requests being generated now")
         self.lookup_memory = self.gauge("lookup_memory_tokens",
                                         "tokens of earlier outputs held for lookup drafts (--lookup-memory-tokens)")
+        self.lookup_rounds = c("lookup_rounds", "rounds drafted by prompt lookup, by where the match was: the "
+                                                "request's own history, or earlier requests' outputs (memory)",
+                               ["source"])
+        self.lookup_accepted = c("lookup_accepted_tokens", "accepted drafts of lookup rounds, by source", ["source"])
         self.prompt_tokens = c("prompt_tokens", "prompt tokens of started requests")
         self.generation_tokens = c("generation_tokens", "tokens generated")
         self.ttft = h("time_to_first_token_seconds", "from the request to its first token", LATENCY_BUCKETS)
@@ -151,3 +155,7 @@ class OrchestratorMetrics(Metrics):
         self.resyncs.labels("verifier").inc(stats.resyncs - stats.drafter_resyncs)
         self.resyncs.labels("drafter").inc(stats.drafter_resyncs)
         self.failovers.inc(stats.drafter_failovers)
+        self.lookup_rounds.labels("memory").inc(stats.memory_rounds)
+        self.lookup_rounds.labels("history").inc(stats.lookup_rounds - stats.memory_rounds)
+        self.lookup_accepted.labels("memory").inc(stats.memory_accepted)
+        self.lookup_accepted.labels("history").inc(stats.lookup_accepted - stats.memory_accepted)

@@ -24,6 +24,8 @@ def draft_next(history: list[int]) -> int:
 
 
 class FakeDrafter:
+    lookup_from_memory = False
+
     def __init__(self):
         self.drafted_for: dict[tuple, list[int]] = {}  # a history -> the drafts made after it
         self.calls = 0
@@ -250,3 +252,12 @@ def test_a_run_stops_where_a_lookup_round_pays_and_the_output_is_the_targets():
     assert stats.runs_cut > 0 and stats.lookup_rounds == sum(policy.lookups) > 0
     assert max(policy.runs) <= 5  # cut at the next match, well before its 8 steps
     assert drafter.calls == 0  # a lookup round is the verifier's pass alone: no drafter call
+    assert stats.memory_rounds == 0 and stats.lookup_accepted <= 3 * stats.lookup_rounds
+
+
+def test_lookup_rounds_drafted_from_earlier_outputs_are_counted_apart():
+    drafter = LookupDrafter()
+    drafter.lookup_from_memory = True  # every match found in the memory of earlier outputs
+    out, stats, _ = run([3, 1, 4, 1, 5, 9, 2], 60, LookupPolicy(), drafter=drafter)
+    assert out == reference([3, 1, 4, 1, 5, 9, 2], 60)
+    assert stats.memory_rounds == stats.lookup_rounds > 0 and stats.memory_accepted == stats.lookup_accepted

@@ -30,11 +30,11 @@ def test_a_history_without_a_match_drafts_from_an_earlier_output():
     memory.add([5, 6, 7, 8, 9, 10])
     index = LookupIndex(3, 2, memory)
     index.update([1, 2, 3, 6, 7])
-    assert index.match(3) == [8, 9, 10]  # [6, 7] was followed by 8, 9, 10 in the earlier output
+    assert index.match(3) == [8, 9, 10] and index.from_memory  # [6, 7] was followed by 8, 9, 10 earlier
     index.update([1, 2, 3, 6, 7, 1, 2])
-    assert index.match(3) == [3, 6, 7]  # its own [1, 2] match; the memory has none
+    assert index.match(3) == [3, 6, 7] and not index.from_memory  # its own [1, 2] match; the memory has none
     memory.add([9, 7, 1, 2, 4, 4])
-    assert index.match(3) == [4, 4]  # the memory's [7, 1, 2] is longer
+    assert index.match(3) == [4, 4] and index.from_memory  # the memory's [7, 1, 2] is longer
     tie = OutputMemory(max_tokens=100, max_n=3, min_n=2)
     tie.add([1, 2, 5])
     own = LookupIndex(3, 2, tie)
