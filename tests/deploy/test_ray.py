@@ -52,10 +52,12 @@ def expected(tiny_pair, smol_tokenizer):
     return cases(tiny_pair[2], smol_tokenizer, PROMPTS, 60)
 
 
-def wait_for_drafters(admin, n: int, timeout_s: float = 90) -> float:
+def wait_for_replicas(admin, n: int, timeout_s: float = 90, listing=None) -> float:
+    """Seconds until the orchestrator's pool holds n replicas (drafters, or what `listing` lists)."""
+    listing = listing or (lambda: admin.ListDrafters(pb.ListDraftersRequest(), timeout=5))
     started = time.monotonic()
-    while len(admin.ListDrafters(pb.ListDraftersRequest(), timeout=5).replicas) != n:
-        assert time.monotonic() - started < timeout_s, f"the orchestrator never saw {n} drafters"
+    while len(listing().replicas) != n:
+        assert time.monotonic() - started < timeout_s, f"the orchestrator never saw {n} replicas"
         time.sleep(0.2)
     return time.monotonic() - started
 
@@ -106,21 +108,17 @@ def test_scale_drafters_under_load(stubs, expected):
     try:
         time.sleep(1)
         assert admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=3)).replicas == 3
-        print(f"1 -> 3 drafters seen by the orchestrator in {wait_for_drafters(admin, 3):.1f} s")
+        print(f"1 -> 3 drafters seen by the orchestrator in {wait_for_replicas(admin, 3):.1f} s")
         time.sleep(2)
         assert admin.ScaleDrafters(pb.ScaleDraftersRequest(replicas=1)).replicas == 1
-        print(f"3 -> 1 drafters seen by the orchestrator in {wait_for_drafters(admin, 1):.1f} s")
+        print(f"3 -> 1 drafters seen by the orchestrator in {wait_for_replicas(admin, 1):.1f} s")
         time.sleep(5)  # past the drain: the removed replicas are stopped under load
     finally:
         load.finish()
 
 
-def wait_for_verifiers(admin, n: int, timeout_s: float = 120) -> float:
-    started = time.monotonic()
-    while sum(r.in_set for r in admin.ListVerifiers(pb.ListVerifiersRequest(), timeout=5).replicas) != n:
-        assert time.monotonic() - started < timeout_s, f"the orchestrator never saw {n} verifiers"
-        time.sleep(0.2)
-    return time.monotonic() - started
+def wait_for_verifiers(admin, n: int) -> float:
+    return wait_for_replicas(admin, n, 120, lambda: admin.ListVerifiers(pb.ListVerifiersRequest(), timeout=5))
 
 
 def test_scale_verifiers_under_load(stubs, expected):
@@ -149,7 +147,7 @@ def test_scale_verifiers_under_load(stubs, expected):
 
 def test_killed_drafter_actor_comes_back(deployment, stubs, expected, tiny_pair, smol_tokenizer):
     stub, admin = stubs
-    wait_for_drafters(admin, 1)
+    wait_for_replicas(admin, 1)
     (replica,) = deployment.drafters()
     (before,) = deployment.drafter_addresses()
     ids = smol_tokenizer(PROMPTS[0] + " flows to the sea and the sea")["input_ids"]
@@ -174,7 +172,7 @@ def test_killed_controller_comes_back_with_its_replicas(deployment, stubs, expec
     """Its replicas die with it (they are its own); restarted, it starts them again, and
     the orchestrator follows (it used to come back with none: verifier alone, silently)."""
     stub, admin = stubs
-    wait_for_drafters(admin, 1)
+    wait_for_replicas(admin, 1)
     (before,) = deployment.drafter_addresses()
     ray.kill(deployment.controller, no_restart=False)
     deadline = time.monotonic() + 120
@@ -327,14 +325,14 @@ def test_autoscaler_grows_and_shrinks_the_pool(deployment, tiny_pair, expected):
         for t in threads:
             t.start()
         try:
-            wait_for_drafters(admin, 3, timeout_s=120)
+            wait_for_replicas(admin, 3, timeout_s=120)
             grown = admin.ListDrafters(pb.ListDraftersRequest()).last_scaling_decision
             assert "-> 3 drafters" in grown, grown
         finally:
             stop.set()
             for t in threads:
                 t.join()
-        wait_for_drafters(admin, 1, timeout_s=120)
+        wait_for_replicas(admin, 1, timeout_s=120)
         # Clients finish at different times, so it may shrink in steps (3 -> 2 -> 1):
         # what matters is the last decision, made idle.
         assert "-> 1 drafters: 0 sessions" in admin.ListDrafters(pb.ListDraftersRequest()).last_scaling_decision
