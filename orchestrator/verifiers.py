@@ -299,8 +299,3 @@ class VerifierPool:
         """Whether another replica could take a session now."""
         now = time.monotonic()
         return any(r is not replica and r.usable(now) for r in self.replicas.values())
-
-    async def close(self) -> None:
-        for replica in self.replicas.values():
-            replica.watcher.cancel()
-            await replica.channel.close()
