@@ -106,6 +106,8 @@ VALID = {
     "specdec.orchestrator.v1.OrchestratorAdminService/ListDrafters": pb.ListDraftersRequest(),
     "specdec.orchestrator.v1.OrchestratorAdminService/ListRequests": pb.ListRequestsRequest(),
     "specdec.orchestrator.v1.OrchestratorAdminService/ScaleDrafters": pb.ScaleDraftersRequest(replicas=2),
+    "specdec.orchestrator.v1.OrchestratorAdminService/ListVerifiers": pb.ListVerifiersRequest(),
+    "specdec.orchestrator.v1.OrchestratorAdminService/ScaleVerifiers": pb.ScaleVerifiersRequest(replicas=2),
 }
 SERVICES = {"specdec.orchestrator.v1.OrchestratorService": pb, "specdec.drafter.v1.DrafterService": drafter_pb2,
             "specdec.verifier.v1.VerifierService": verifier_pb2,
