@@ -56,17 +56,25 @@ class LookupIndex:
 
 class OutputMemory:
     """Recent requests' outputs, shared by every request: where a request's own history
-    holds no match, its lookup drafts are what followed the same tokens in an earlier
-    output. Agents, retries and templated reports repeat earlier outputs (SuffixDecoding,
-    Oliaro et al., drafts from a suffix tree over past outputs; here the rule is the
-    requests' own: the longest suffix of min_n to max_n tokens, its latest occurrence).
-    Bounded: once more than `max_tokens` are held, the oldest outputs leave first."""
+    holds no match, its lookup drafts follow what came after the same tokens in earlier
+    outputs. Agents, retries and templated reports repeat earlier outputs (SuffixDecoding,
+    Oliaro et al., drafts from a suffix tree over past outputs, scored by frequency).
 
-    def __init__(self, max_tokens: int, max_n: int, min_n: int):
-        self.max_tokens, self.max_n, self.min_n = max_tokens, max_n, min_n
+    For each n-gram of min_n to max_n tokens it counts the tokens that followed it. A
+    draft starts from the history's longest suffix held (of at least `shortest` tokens)
+    and walks on token by token: each step takes the continuation seen most often after
+    the longest n-gram that ends the drafts so far (the latest at a tie), and the walk
+    stops where the product of those steps' frequencies falls below `min_score`. The
+    fixed parts of a templated answer then draft far, and a part that each fill changes
+    stops the walk instead of drafting the latest fill's words. Bounded: once more than
+    `max_tokens` are held, the oldest outputs leave first, and their counts with them."""
+
+    def __init__(self, max_tokens: int, max_n: int, min_n: int, min_score: float = 0.3):
+        self.max_tokens, self.max_n, self.min_n, self.min_score = max_tokens, max_n, min_n, min_score
         self.outputs: dict[int, list[int]] = {}  # in the order added
         self.held, self.added = 0, 0
-        self.follows: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (output, where what followed starts)
+        # n-gram -> {token that followed it: times}, the latest seen last
+        self.next: dict[tuple[int, ...], dict[int, int]] = {}
 
     def add(self, tokens: list[int]) -> None:
         if len(tokens) < 2 or len(tokens) > self.max_tokens:
@@ -74,31 +82,48 @@ class OutputMemory:
         number, self.added = self.added, self.added + 1
         self.outputs[number] = tokens
         self.held += len(tokens)
-        for key, end in self._ngrams(tokens):
-            self.follows[key] = (number, end)
+        for key, token in self._ngrams(tokens):
+            counts = self.next.setdefault(key, {})
+            counts[token] = counts.pop(token, 0) + 1  # moved to the end: the latest last
         while self.held > self.max_tokens:
             self._drop(next(iter(self.outputs)))
 
     def _drop(self, number: int) -> None:
         tokens = self.outputs.pop(number)
         self.held -= len(tokens)
-        for key, _ in self._ngrams(tokens):
-            if self.follows.get(key, (None,))[0] == number:  # a later output may hold it now
-                del self.follows[key]
+        for key, token in self._ngrams(tokens):
+            counts = self.next[key]
+            counts[token] -= 1
+            if not counts[token]:
+                del counts[token]
+                if not counts:
+                    del self.next[key]
 
     def _ngrams(self, tokens: list[int]):
-        """(n-gram, where what followed it starts) for each n-gram of min_n to max_n tokens."""
+        """(n-gram, the token that followed it) for each n-gram of min_n to max_n tokens."""
         for end in range(1, len(tokens)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                yield tuple(tokens[end - n:end]), end
+                yield tuple(tokens[end - n:end]), tokens[end]
+
+    def _longest(self, tokens: list[int], shortest: int) -> int:
+        """The length of the longest suffix of `tokens` held (at least `shortest` and min_n); 0 if none."""
+        for n in range(min(self.max_n, len(tokens)), max(shortest, self.min_n) - 1, -1):
+            if tuple(tokens[-n:]) in self.next:
+                return n
+        return 0
 
     def match(self, tokens: list[int], k: int, shortest: int = 1) -> tuple[int, list[int]]:
-        """Up to k tokens that followed the longest suffix of `tokens` (of at least
-        `shortest` and min_n, at most max_n tokens) in the latest output holding it:
-        (the suffix's length, the drafts); (0, []) if none did."""
-        for n in range(min(self.max_n, len(tokens)), max(shortest, self.min_n) - 1, -1):
-            found = self.follows.get(tuple(tokens[-n:]))
-            if found is not None:
-                number, start = found
-                return n, self.outputs[number][start:start + k]
-        return 0, []
+        """Up to k drafts after `tokens`, walked from its longest suffix held (of at least
+        `shortest` tokens): (that suffix's length, the drafts); (0, []) if none is held."""
+        n = self._longest(tokens, shortest)
+        context, drafts, score, m = list(tokens[-self.max_n:]), [], 1.0, n
+        while m and len(drafts) < k:
+            counts = self.next[tuple(context[-m:])]
+            token = max(reversed(counts), key=counts.get)  # the most frequent; at a tie, the latest
+            score *= counts[token] / sum(counts.values())
+            if score < self.min_score:
+                break
+            drafts.append(token)
+            context = context[1:] + [token] if len(context) == self.max_n else context + [token]
+            m = self._longest(context, self.min_n)
+        return (n, drafts) if drafts else (0, [])

@@ -44,14 +44,46 @@ def test_a_history_without_a_match_drafts_from_an_earlier_output():
 
 
 def test_the_oldest_outputs_leave_the_memory_first():
-    memory = OutputMemory(max_tokens=10, max_n=2, min_n=1)
+    memory = OutputMemory(max_tokens=10, max_n=2, min_n=1, min_score=0.0)
     memory.add([1, 2, 3, 4])
     memory.add([1, 2, 9, 9])
-    assert memory.match([7, 1, 2], 2) == (2, [9, 9])  # the latest occurrence
+    assert memory.match([7, 1, 2], 2) == (2, [9, 9])  # a tie: the latest occurrence
     memory.add([5, 6, 7])  # 11 tokens held: the first output leaves
     assert memory.held == 7 and memory.match([3], 1) == (0, [])
     assert memory.match([1, 2], 2) == (2, [9, 9]) and memory.match([6], 1) == (1, [7])
     memory.add([8, 8, 8, 8, 8, 8, 8, 8])  # 15 held: both others leave
     assert memory.held == 8 and memory.match([1, 2], 2) == (0, []) and memory.match([6], 1) == (0, [])
-    assert memory.match([8], 3) == (1, [8])  # its latest occurrence: the output's end
-    assert all(number in memory.outputs for number, _ in memory.follows.values())  # no entry outlives its output
+    assert memory.match([8], 3) == (1, [8, 8, 8])
+
+
+def test_the_memory_drafts_the_continuation_seen_most_often_and_stops_where_the_fills_differ():
+    # Three answers from one template: "dear <name> , thanks for the order" with 10, 11, 12 as
+    # the names; the last one's continuation differs once ("the" -> 7).
+    memory = OutputMemory(max_tokens=100, max_n=2, min_n=1, min_score=0.5)
+    memory.add([1, 10, 2, 3, 4, 5, 6])
+    memory.add([1, 11, 2, 3, 4, 5, 6])
+    memory.add([1, 12, 2, 3, 4, 7, 6])
+    assert memory.match([9, 2], 8) == (1, [3, 4, 5, 6])  # after 4: 5 twice, 7 once
+    assert memory.match([9, 1], 8) == (0, [])  # three names seen once each: no draft scores 0.5
+    memory.min_score = 0.3
+    assert memory.match([9, 1], 8) == (1, [12, 2, 3, 4])  # a tie: the latest name; then 5 (1/3 * 2/3) is too unsure
+    memory.min_score = 0.5
+    memory.add([1, 12, 2, 3, 4, 7, 6])
+    memory.add([1, 12, 2, 3, 4, 7, 6])
+    assert memory.match([9, 2], 8) == (1, [3, 4, 7, 6])  # now 7 three times against 5 twice
+
+
+@settings(max_examples=100, deadline=None)
+@given(outputs=st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=12), max_tokens=st.integers(2, 40))
+def test_the_counts_are_those_of_the_outputs_held(outputs, max_tokens):
+    memory = OutputMemory(max_tokens=max_tokens, max_n=3, min_n=1)
+    for tokens in outputs:
+        memory.add(tokens)
+        counts = {}
+        for held in memory.outputs.values():
+            for end in range(1, len(held)):
+                for n in range(1, min(3, end) + 1):
+                    key = tuple(held[end - n:end])
+                    counts.setdefault(key, {})
+                    counts[key][held[end]] = counts[key].get(held[end], 0) + 1
+        assert memory.next == counts and memory.held == sum(map(len, memory.outputs.values())) <= max_tokens
