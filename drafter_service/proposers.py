@@ -29,6 +29,10 @@ class Proposer(abc.ABC):
     def release(self, seq: TokenSequence) -> None:
         """A session closed: give back what its sequence holds."""
 
+    def by_model(self) -> "Proposer | None":
+        """The proposer that drafts with the model alone (None: there is no model)."""
+        return None
+
     @abc.abstractmethod
     def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
         """Yields up to k draft tokens following seq.tokens, appending each to seq."""
@@ -57,6 +61,9 @@ class ModelProposer(Proposer):
 
     def release(self, seq: PagedSequence) -> None:
         self.engine.release(seq)
+
+    def by_model(self) -> Proposer:
+        return self
 
     async def propose(self, seq: PagedSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
         draws = sampling.Draws(params.seed, "draft")
@@ -127,6 +134,9 @@ class HybridProposer(Proposer):
 
     def release(self, seq: PagedSequence) -> None:
         self.model.release(seq)
+
+    def by_model(self) -> Proposer:
+        return self.model
 
     async def propose(self, seq: PagedSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
         found = self.lookup.lookup(seq.tokens, k)

@@ -51,8 +51,11 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
                 async with self.model_work(session) as seq:  # a cancelled call's last step ends before the next
                     seq.sync(request.start, list(request.new_tokens))
                     k = min(k, self.info.max_positions - len(seq.tokens))
+                    proposer = self.proposer.by_model() if request.model_drafts else self.proposer
+                    if proposer is None:
+                        return  # no model to draft with
                     # Closed before the session is let go, wherever the stream stops.
-                    async with contextlib.aclosing(self.proposer.propose(seq, k, request.sampling)) as drafts:
+                    async with contextlib.aclosing(proposer.propose(seq, k, request.sampling)) as drafts:
                         async for token, q in drafts:
                             yield drafter_pb2.ProposeResponse(token_id=token, q=q)
         except ServiceError as err:

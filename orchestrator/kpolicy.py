@@ -18,7 +18,8 @@ Where the history holds a prompt-lookup match (the drafters' rule, specdec.looku
 orchestrator drafts the round itself from the match: its drafts cost no drafter call and
 pass far more or far less often than the model's, so those rounds have an acceptance of
 their own, and K is chosen among the tokens the match offers (SuffixDecoding's split,
-per round), up to what the request's own lookup drafts have earned.
+per round), up to what the request's own lookup drafts have earned. Where a lookup
+round does not pay, the round is the model's, as if there were no match.
 
 K = 0 is the target alone, and it runs as the target alone would: a run of steps in one
 verifier call (Decode), with no call per token. Its price is what runs measured per
@@ -161,8 +162,10 @@ class FixedK:
     def __init__(self, k: int):
         self.k = self.k_max = self.lookup_k_max = k
         self.probes_beside_runs = False  # the K asked for is all it runs: no probes
+        self.by_lookup = False
 
     def choose(self, matched: int = 0) -> int:
+        self.by_lookup = matched > 0  # where the drafters would draft by lookup, so does the round
         return self.k
 
     def lookup_pays(self, matched: int) -> bool:
@@ -222,6 +225,7 @@ class AdaptiveK:
         self.lookup_accepted, self.lookup_tested = 0, 0
         self.rng = random.Random(seed)
         self.backoff, self.max_backoff = 1, 8
+        self.by_lookup = False  # whether the K chosen last drafts by lookup (else by the model)
 
     @property
     def alpha(self) -> float:
@@ -280,14 +284,20 @@ class AdaptiveK:
         return matched > 0 and self._lookup_k(matched) > 0
 
     def choose(self, matched: int = 0) -> int:
-        """K for the next round; `matched`: the tokens a lookup match offers (the drafter
-        drafts this round by lookup), 0 if none."""
+        """K for the next round; `matched`: the tokens a lookup match offers, 0 if none.
+        Where a lookup round pays, the round drafts by lookup (`by_lookup`); elsewhere the
+        model's K is chosen as if there were no match: a short match in a chat answer (or
+        in earlier requests' outputs) mostly predicts wrong, and must not keep the model
+        from drafting."""
         self.rounds += 1
+        self.by_lookup = False
         if matched and 0 in self.costs.tried:
             k = self._lookup_k(matched)
             if k == 0 and not self.probes_beside_runs and self.rounds % self.probe_period() == 0:
-                return 1  # keep this request's lookup acceptance current (greedy runs check it)
-            return k
+                k = 1  # keep this request's lookup acceptance current (greedy requests check it for free)
+            if k > 0:
+                self.by_lookup = True
+                return k
         tried = self.costs.tried
         for k in (0, min(1, self.k_max)):
             if k not in tried:

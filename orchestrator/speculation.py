@@ -316,7 +316,7 @@ class DrafterLink:
         while True:
             request = drafter_pb2.ProposeRequest(
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
-                num_draft_tokens=k, sampling=self.params)
+                num_draft_tokens=k, sampling=self.params, model_drafts=True)
             drafts, qs = [], []
             try:
                 async for draft in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s),
@@ -387,13 +387,13 @@ class _Lookahead:
 
 
 class _BesideRun:
-    """A probe that costs a run of the target alone nothing: k drafts asked for as the run
-    starts, checked against the run's tokens once it ends. In a greedy request those are
-    the target's choices, and a round accepts a draft iff it is the target's choice: the
-    run tells how many of the drafts a round would have accepted."""
+    """A probe that costs a run of the target alone nothing: k model drafts asked for as
+    the run starts, checked against the run's tokens once it ends. In a greedy request
+    those are the target's choices, and a round accepts a draft iff it is the target's
+    choice: the run tells how many of the drafts a round would have accepted."""
 
     def __init__(self, drafter: DrafterLink, history: list[int], k: int):
-        self.start, self.lookup = len(history), bool(drafter.lookup_drafts(history, k))
+        self.start = len(history)
         self.task = asyncio.ensure_future(self._propose(drafter, list(history), k))
 
     @staticmethod
@@ -418,7 +418,7 @@ class _BesideRun:
         while accepted < min(len(drafts), len(run)) and drafts[accepted] == run[accepted]:
             accepted += 1
         if drafts and (accepted == len(drafts) or accepted < len(run)):
-            policy.observe_beside(len(drafts), accepted, took, self.lookup)
+            policy.observe_beside(len(drafts), accepted, took)
             stats.probes_beside_runs += 1
 
 
@@ -495,7 +495,7 @@ async def speculate(
                     if token in eos:
                         return
             continue
-        new, ahead = await _round(policy, drafter, verifier, history, by_lookup[:k_round], k_round, ahead,
+        new, ahead = await _round(policy, drafter, verifier, history, by_lookup, k_round, ahead,
                                   overlap and produced + k_round + 2 < max_new_tokens, stats, trace_context)
         new = _until_eos(new, eos)
         history.extend(new)
@@ -516,12 +516,12 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: VerifierLink, history: list[int],
                  by_lookup: list[int], k: int, ahead, look_ahead: bool, stats: Stats, trace_context
                  ) -> tuple[list[int], tuple | None]:
-    """One speculative round of k drafts after `history`: by lookup when `by_lookup` holds
-    them, else by the drafter (or `ahead`, drafted during the last round). -> (the
-    accepted drafts and the verifier's own token, the next round's drafts if drafted
-    ahead and their guess held). With `look_ahead`, the drafter drafts the next round
-    while this one is verified."""
-    lookup = bool(by_lookup)
+    """One speculative round of k drafts after `history`: the lookup match's (`by_lookup`)
+    where the policy chose a lookup round, else the drafter's model's (or `ahead`,
+    drafted during the last round). -> (the accepted drafts and the verifier's own token,
+    the next round's drafts if drafted ahead and their guess held). With `look_ahead`,
+    the drafter drafts the next round while this one is verified."""
+    lookup = policy.by_lookup and bool(by_lookup)
     from_memory = lookup and drafter.lookup_from_memory
     # The round's span is current only while this coroutine runs (never across the
     # caller's yield): its calls, and a look-ahead started in it, are its children.
@@ -532,7 +532,7 @@ async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: Ver
         # 1. Propose: the match's tokens (one-hot q: none sent), or the drafter's.
         started = time.perf_counter()
         if lookup:
-            drafts, qs = by_lookup, []
+            drafts, qs = by_lookup[:k], []
         elif ahead is not None:
             drafts, qs = ahead[0][:k], ahead[1][:k]
             stats.lookahead_hits += 1
@@ -552,6 +552,12 @@ async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: Ver
         stats.lookup_accepted += accepted if lookup else 0
         stats.memory_rounds += from_memory
         stats.memory_accepted += accepted if from_memory else 0
+        if by_lookup and not lookup and policy.probes_beside_runs:
+            # A greedy round commits the target's choice first: what the match's first
+            # token would have got, for free (as a run's tokens check it).
+            committed = drafts[0] if accepted else next_token
+            policy.observe_beside(1, int(committed == by_lookup[0]), None, lookup=True)
+            stats.lookups_checked += 1
         stats.observe_pass(batch_pass)
         stats.draft_s += drafted - started
         stats.verify_s += verified - drafted

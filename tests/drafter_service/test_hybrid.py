@@ -79,3 +79,14 @@ def test_the_model_catches_up_after_lookup_rounds(proposers):
     want, _ = drafts(alone, [11, 12, 13, 14, 15, 90, 11, 12, 13, 14, 15, 7, 8], 3)
     assert second == [t for t, _ in want]
     hybrid.release(seq)
+
+
+def test_asked_for_model_drafts_it_drafts_with_the_model_where_a_match_would_draft_by_lookup(proposers):
+    """The orchestrator drafts lookup rounds itself; where it chose a model round at a
+    match (ProposeRequest.model_drafts), the drafter's model drafts it."""
+    hybrid, alone = proposers
+    tokens = [11, 12, 13, 14, 15, 16, 17, 90, 91, 11, 12, 13]  # a lookup match: 14, 15, 16, 17
+    out, _ = drafts(hybrid.by_model(), tokens, 4)
+    want, _ = drafts(alone, tokens, 4)
+    assert [t for t, _ in out] == [t for t, _ in want] != [14, 15, 16, 17]
+    assert alone.by_model() is alone and NgramProposer().by_model() is None

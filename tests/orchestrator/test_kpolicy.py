@@ -201,15 +201,16 @@ def lookup_deployment(lookup_alpha: float, rounds: int = 300, seed: int = 0, mat
         if k == 0:
             policy.observe_run(1, step, [BatchPass(rows=1, tokens=1, seconds=step)])
             continue
-        alpha = lookup_alpha if matched else 0.1
+        lookup = policy.by_lookup
+        alpha = lookup_alpha if lookup else 0.1
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
-        draft = 0.001 if matched else 0.1 * step * k
+        draft = 0.001 if lookup else 0.1 * step * k
         pass_s = step * (1 + 0.05 * k)
         policy.observe(k, accepted, draft, pass_s + call, BatchPass(rows=1, tokens=k + 1, seconds=pass_s),
-                       lookup=bool(matched))
-        if matched:
+                       lookup=lookup)
+        if lookup:
             at_matches.append(k)
     return policy, at_matches
 
@@ -304,17 +305,20 @@ def test_greedy_requests_learn_their_lookup_acceptance_from_their_runs():
     costs.observe_run(16, 16 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 16)
     costs.observe(1, 0.002, 0.021, 0, 1, BatchPass(rows=1, tokens=2, seconds=0.019))
     copying = AdaptiveK(costs, k_max=8, k_start=4, probes_beside_runs=True)
-    assert copying.choose(8) == 0 and not copying.lookup_pays(8)  # no evidence of its own yet
+    copying.choose(8)
+    assert not copying.by_lookup and not copying.lookup_pays(8)  # no evidence of its own yet: the model's K
     for _ in range(3):
         copying.observe_beside(1, 1, None, lookup=True)
-    assert copying.lookup_pays(8) and copying.choose(8) >= 4
+    assert copying.lookup_pays(8) and copying.choose(8) >= 4 and copying.by_lookup
     fresh = AdaptiveK(costs, k_max=8, k_start=4, probes_beside_runs=True)
     assert not fresh.lookup_pays(8)
     for _ in range(4):
         fresh.observe_beside(1, 0, None, lookup=True)
-    assert not fresh.lookup_pays(8) and fresh.choose(8) == 0
+    fresh.choose(8)
+    assert not fresh.lookup_pays(8) and not fresh.by_lookup
     # A request that is not greedy still tries its first match, with one draft.
-    assert AdaptiveK(costs, k_max=8, k_start=4).choose(8) == 1
+    sampled = AdaptiveK(costs, k_max=8, k_start=4)
+    assert sampled.choose(8) == 1 and sampled.by_lookup
 
 
 def test_a_request_drafts_by_lookup_as_far_as_its_own_lookup_drafts_have_passed():
@@ -332,3 +336,21 @@ def test_a_request_drafts_by_lookup_as_far_as_its_own_lookup_drafts_have_passed(
     assert request.choose(16) == 6
     request.observe(6, 6, 0.0, 0.025, BatchPass(rows=1, tokens=7, seconds=0.024), lookup=True)
     assert request.choose(16) == 16
+
+
+def test_a_match_that_does_not_pay_leaves_the_round_to_the_model():
+    """A request whose lookup matches fail (a chat answer's short matches) drafts with the
+    model at its matches, as it would without them; one whose matches pass drafts them."""
+    costs, step = RoundCosts(alpha_prior=0.9), 0.017
+    costs.observe_run(16, 16 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 16)
+    for k in (1, 4) * 10:  # model rounds that pass whole
+        costs.observe(k, 0.001 * k, 0.019 + 0.001 * k, k, k, BatchPass(rows=1, tokens=k + 1, seconds=0.018 + 0.001 * k))
+    failing = AdaptiveK(costs, k_max=8, k_start=4, probes_beside_runs=True)
+    for _ in range(4):
+        failing.observe_beside(1, 0, None, lookup=True)
+    assert failing.choose(8) >= 2 and not failing.by_lookup
+    assert failing.choose(0) >= 2 and not failing.by_lookup
+    copying = AdaptiveK(costs, k_max=8, k_start=4, probes_beside_runs=True, lookup_k_max=16)
+    for _ in range(4):
+        copying.observe_beside(1, 1, None, lookup=True)
+    assert copying.choose(8) >= 2 and copying.by_lookup

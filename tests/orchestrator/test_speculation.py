@@ -80,6 +80,7 @@ class Cycle:
 
     def choose(self, matched=0):
         self.round += 1
+        self.by_lookup = matched > 0  # a round at a match drafts by lookup, as FixedK's
         return self.ks[(self.round - 1) % len(self.ks)]
 
     @property
@@ -232,6 +233,7 @@ class LookupPolicy(Cycle):
 
     def choose(self, matched=0):
         self.round += 1
+        self.by_lookup = matched > 0
         return 3 if matched else 0
 
     def lookup_pays(self, matched):
@@ -261,3 +263,29 @@ def test_lookup_rounds_drafted_from_earlier_outputs_are_counted_apart():
     out, stats, _ = run([3, 1, 4, 1, 5, 9, 2], 60, LookupPolicy(), drafter=drafter)
     assert out == reference([3, 1, 4, 1, 5, 9, 2], 60)
     assert stats.memory_rounds == stats.lookup_rounds > 0 and stats.memory_accepted == stats.lookup_accepted
+
+
+class ModelAtMatches(Cycle):
+    """K = 2 from the model every round, matches or not (a lookup round does not pay)."""
+
+    def __init__(self):
+        super().__init__([2])
+        self.probes_beside_runs = True
+
+    def choose(self, matched=0):
+        self.round += 1
+        self.by_lookup = False
+        return 2
+
+
+def test_a_model_round_at_a_match_asks_the_drafter_and_checks_the_match_for_free():
+    """Where the policy prefers the model to a lookup match, the round is the model's (the
+    drafter is asked; no lookup round), and in a greedy request the match's first token is
+    checked against the round's first committed token, as a run checks it."""
+    prompt = [3, 1, 4, 1, 5, 9]
+    policy = ModelAtMatches()
+    out, stats, drafter = run(prompt, 40, policy, drafter=CheckingDrafter())
+    assert out == reference(prompt, 40)
+    assert stats.lookup_rounds == 0 and drafter.calls == stats.rounds - stats.rounds_by_k.get(0, 0) > 0
+    assert stats.lookups_checked == len(policy.besides) > 0
+    assert {hit for _, hit, _ in policy.besides} == {0, 1}  # the match right after an even history, wrong after an odd one
