@@ -14,9 +14,9 @@ and bench-repeat.md to --out.
 The speedup is taken after each request's first token: the defaults' tokens per second
 from their first streamed chunk to the end over K = 0's. The K = 0 request, sent second
 with the same prompt, finds that prompt in the verifier's prefix cache and skips its
-prefill; whole-request times would charge that prefill to the defaults alone (about
-100 ms of a 10-token chat answer's 290 ms, measured). The whole-request time ratio is
-reported beside it."""
+prefill; whole-request times would charge that prefill to the defaults alone (a
+10-token chat answer, measured: 209 ms in all against K = 0's 152 ms, yet 1.15x after
+the first token). The whole-request time ratio is reported beside it."""
 
 import argparse
 import json
