@@ -114,7 +114,8 @@ class OutputMemory:
 
     def match(self, tokens: list[int], k: int, shortest: int = 1) -> tuple[int, list[int]]:
         """Up to k drafts after `tokens`, walked from its longest suffix held (of at least
-        `shortest` tokens): (that suffix's length, the drafts); (0, []) if none is held."""
+        `shortest` tokens): (that suffix's length, the drafts); (0, []) if none is held, or
+        its first step already scores below min_score."""
         n = self._longest(tokens, shortest)
         context, drafts, score, m = list(tokens[-self.max_n:]), [], 1.0, n
         while m and len(drafts) < k:
