@@ -6,6 +6,8 @@
    and whether any argmax flips.
 3. Prefix caching: a chat's second turn (the first turn's prompt and answer, then a new
    question) against the same prompt sent cold: the time to its first token.
+   On a GGUF target, the same passes on each path of its products the build has
+   (AVX-512 VNNI, AVX2: the same bits), side by side.
 4. With --llama-cpp DIR: llama.cpp's `llama-bench` on the same GGUF file and threads (a
    64-token generation), its time per token beside our 1-token pass.
 5. With --stall: a 4000-token prompt arriving while 4 streams run through `specdec up`,
@@ -20,7 +22,7 @@ import time
 import torch
 
 from deploy import launch
-from specdec import modeling, quantize
+from specdec import ggml, modeling, quantize
 from specdec.engine import Engine, one_thread_outside_engines
 
 
@@ -45,6 +47,22 @@ def pass_costs(eng: Engine, seqs, shapes) -> list[str]:
         t = timed(rows, n)
         lines.append(f"{rows} rows x {n} tokens: {t * 1e3:.1f} ms = {t / base:.2f}x one token; "
                      f"tokens per unit time {rows * n * base / t:.2f}x")
+    return lines
+
+
+def narrower_paths(eng: Engine, seqs) -> list[str]:
+    """The GGUF products' narrower paths (the same bits; what a CPU without the widest runs),
+    timed beside the default in this run."""
+    kernels = ggml._kernels()
+    default = kernels.isas()[-1]
+    lines = []
+    for path in [p for p in kernels.isas() if p != "portable"][::-1]:
+        kernels.set_isa(path)
+        try:
+            costs = pass_costs(eng, seqs, [(1, 5), (1, 9)])
+        finally:
+            kernels.set_isa(default)
+        lines.append(f"GGUF products on {path}{' (the default)' if path == default else ''}: " + "; ".join(costs))
     return lines
 
 
@@ -197,6 +215,9 @@ def main() -> None:
         seqs.append(seq)
     for line in pass_costs(eng, seqs, [(1, 3), (1, 5), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]):
         print(line, flush=True)
+    if quantize.method_of(model) == "gguf":
+        for line in narrower_paths(eng, seqs):
+            print(line, flush=True)
     print(invariance(eng, seqs), flush=True)
     print(second_turn(eng, modeling.load_tokenizer(args.target)), flush=True)
     eng.stop()

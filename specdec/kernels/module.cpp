@@ -3,6 +3,8 @@
 
 torch::Tensor pack(torch::Tensor w, int64_t type);
 torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t n);
+std::vector<std::string> isas();
+std::string set_isa(const std::string& name);
 torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t n, torch::Tensor ids);
 torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
                         torch::Tensor rows, torch::Tensor lengths, double scale);
@@ -25,6 +27,8 @@ int64_t take_threads() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "GGUF blocks [N, bytes] -> the kernels' layout, rows in groups of 8 (gguf_cpu.cpp)");
   m.def("matmul", &matmul, "x [M, K] float32 @ packed GGUF blocks of N rows ^T -> [M, N] (gguf_cpu.cpp)");
+  m.def("isas", &isas, "the GGUF products' paths in this build, narrowest first (gguf_cpu.cpp)");
+  m.def("set_isa", &set_isa, "makes the GGUF products take the path named; -> the one before (gguf_cpu.cpp)");
   m.def("dequantize", &dequantize, "rows of packed GGUF blocks of N rows -> float32 (gguf_cpu.cpp)");
   m.def("attention", &attention, "each new token attending its row's pool slots, in float64 (attention_cpu.cpp)");
   m.def("take_threads", &take_threads, "fixes this thread's torch.set_num_threads for these kernels; -> the count");

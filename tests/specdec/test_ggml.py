@@ -52,13 +52,14 @@ def test_blocks_dequantize_as_ggufs_reference_code(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_row_gives_the_same_result_alone_or_among_others(kind):
-    # Every tile the kernel cuts a pass into (1 to 6 rows; 7 to 12 in two, 13 in three), an
-    # odd number of output rows (the threads split them).
+    # Every tile the kernel cuts a pass into (AVX2: 1 to 6 rows, 7 to 12 in two, 13 to 17
+    # in three; AVX-512: 1 to 8, 9 to 16 in two, 17 in three), an odd number of output rows
+    # (the threads split them).
     layer = ggml.GGUFLinear(random_blocks(kind, 77, 160, seed=kind), kind, 160)
     torch.manual_seed(0)
-    rows = torch.randn(13, 160) * torch.tensor([0.01, 1, 100, 1, 5, 0.1, 30, 2, 7, 0.5, 3, 1, 20])[:, None]
-    alone = [layer(rows[i:i + 1]) for i in range(13)]
-    for width in range(1, 14):
+    rows = torch.randn(17, 160) * torch.tensor([0.01, 1, 100, 1, 5, 0.1, 30, 2, 7, 0.5, 3, 1, 20, 4, 0.2, 9, 1])[:, None]
+    alone = [layer(rows[i:i + 1]) for i in range(17)]
+    for width in range(1, 18):
         together = layer(rows[:width][None])[0]
         for i in range(width):
             assert torch.equal(together[i:i + 1], alone[i]), (width, i)
@@ -68,6 +69,31 @@ def test_a_row_gives_the_same_result_alone_or_among_others(kind):
         assert torch.equal(layer(rows), torch.cat(alone))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [77, 88])  # the last pair of groups 8 + 5 rows; a group on its own
+def test_every_path_of_the_build_gives_the_same_bits(kind, rows):
+    # The widest path the CPU has runs by default; the narrower ones (portable C++ on every
+    # build, AVX2 on x86) are what another machine runs: the same model, the same tokens.
+    kernels = ggml._kernels()
+    layer = ggml.GGUFLinear(random_blocks(kind, rows, 160, seed=kind), kind, 160)
+    torch.manual_seed(kind)
+    x = torch.randn(17, 160) * torch.logspace(-2, 2, 17)[:, None]
+    by_path = {}
+    default = kernels.set_isa("portable")
+    try:
+        for path in kernels.isas():
+            kernels.set_isa(path)
+            by_path[path] = [layer(x[:width]) for width in range(1, 18)]
+    finally:
+        kernels.set_isa(default)
+    assert default == kernels.isas()[-1]
+    for path, outs in by_path.items():
+        for width, (got, want) in enumerate(zip(outs, by_path["portable"]), 1):
+            assert torch.equal(got, want), (path, width)
+    with pytest.raises(RuntimeError, match="no path"):
+        kernels.set_isa("avx9")
 
 
 @pytest.mark.parametrize("kind", KINDS)
