@@ -36,6 +36,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -432,7 +433,7 @@ constexpr Isa widest() {
 #endif
 }
 
-Isa chosen = widest();
+std::atomic<Isa> chosen{widest()};  // set by set_isa, read by each matmul (on any thread)
 
 }  // namespace
 
@@ -444,10 +445,10 @@ std::vector<std::string> isas() {
 // Makes `matmul` take the path named (one of `isas()`; the widest is the default, and the
 // others exist to be compared with it); -> the path it took before.
 std::string set_isa(const std::string& name) {
-  const std::string before = ISA_NAMES[chosen];
+  const std::string before = ISA_NAMES[chosen.load()];
   for (int i = 0; i <= widest(); ++i)
     if (name == ISA_NAMES[i]) {
-      chosen = static_cast<Isa>(i);
+      chosen.store(static_cast<Isa>(i));
       return before;
     }
   TORCH_CHECK(false, "no path ", name, " in this build (it has ", c10::Join(", ", isas()), ")");
@@ -491,7 +492,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N) 
               "w's packed blocks do not cover ", N, " rows of x's ", K, " columns");
   auto y = torch::empty({M, N}, x.options());
   Rounded rounded(M, K);
-  const Isa isa = chosen;
+  const Isa isa = chosen.load();
   const float* xp = x.data_ptr<float>();
   for (int64_t t = 0; t < M; ++t) {
     int16_t* a = rounded.a.data() + t * K;
