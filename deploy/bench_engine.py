@@ -2,12 +2,12 @@
 
 1. What a batched pass of the target costs: R rows x n tokens against one row x one
    token, each row with a ~120-token cache (same process, median of 7 passes each).
+   On a GGUF target, passes of 1, 5 and 9 tokens again on each path of its products the
+   build has (AVX-512 VNNI, AVX2: the same bits), side by side.
 2. Batch invariance: each of 8 rows run alone and together; how far their logits move
    and whether any argmax flips.
 3. Prefix caching: a chat's second turn (the first turn's prompt and answer, then a new
    question) against the same prompt sent cold: the time to its first token.
-   On a GGUF target, the same passes on each path of its products the build has
-   (AVX-512 VNNI, AVX2: the same bits), side by side.
 4. With --llama-cpp DIR: llama.cpp's `llama-bench` on the same GGUF file and threads (a
    64-token generation), its time per token beside our 1-token pass.
 5. With --stall: a 4000-token prompt arriving while 4 streams run through `specdec up`,
@@ -50,14 +50,13 @@ def pass_costs(eng: Engine, seqs, shapes) -> list[str]:
     return lines
 
 
-def narrower_paths(eng: Engine, seqs) -> list[str]:
-    """The GGUF products' narrower paths (the same bits; what a CPU without the widest runs),
-    timed beside the default in this run."""
+def by_path(eng: Engine, seqs) -> list[str]:
+    """Passes on each SIMD path of the GGUF products, widest (the default) first: the same
+    bits; a narrower one is what a CPU without the widest runs."""
     kernels = ggml._kernels()
-    default = kernels.isas()[-1]
     lines = []
     for path in [p for p in kernels.isas() if p != "portable"][::-1]:
-        kernels.set_isa(path)
+        default = kernels.set_isa(path)
         try:
             costs = pass_costs(eng, seqs, [(1, 5), (1, 9)])
         finally:
@@ -216,7 +215,7 @@ def main() -> None:
     for line in pass_costs(eng, seqs, [(1, 3), (1, 5), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]):
         print(line, flush=True)
     if quantize.method_of(model) == "gguf":
-        for line in narrower_paths(eng, seqs):
+        for line in by_path(eng, seqs):
             print(line, flush=True)
     print(invariance(eng, seqs), flush=True)
     print(second_turn(eng, modeling.load_tokenizer(args.target)), flush=True)

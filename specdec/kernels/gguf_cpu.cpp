@@ -50,13 +50,13 @@ namespace {
 constexpr int QK = 32;  // weights per block, for every type here
 enum Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
 
+// A file block's bytes (Q4_0: d and 16 bytes of nibbles; Q4_1: d, m and the nibbles; Q8_0: d
+// and 32 signed bytes); the tiles take it at compile time.
+constexpr int block_size(int type) { return type == Q4_0 ? 2 + QK / 2 : type == Q4_1 ? 4 + QK / 2 : 2 + QK; }
+
 int block_bytes(int type) {
-  switch (type) {
-    case Q4_0: return 2 + QK / 2;
-    case Q4_1: return 4 + QK / 2;
-    case Q8_0: return 2 + QK;
-  }
-  TORCH_CHECK(false, "unsupported GGUF block type ", type);
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "unsupported GGUF block type ", type);
+  return block_size(type);
 }
 
 inline float half(const uint8_t* p) {
@@ -87,7 +87,7 @@ inline int file_int(const uint8_t* p, int type, int c) {
 // file's bytes, rearranged.
 constexpr int ROWS = 8;
 int group_bytes(int type) { return ROWS * block_bytes(type); }
-int ints_offset(int type) { return type == Q4_1 ? 2 * 2 * ROWS : 2 * ROWS; }
+constexpr int ints_offset(int type) { return type == Q4_1 ? 2 * 2 * ROWS : 2 * ROWS; }
 
 // Where the integer of (row r in its group, column c of the block) lies: its byte, and
 // whether it is that byte's high nibble (Q4).
@@ -122,7 +122,7 @@ struct Rounded {
 
 inline float block_scale(float amax) { return amax / 32767.0f; }
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__)
 // A one-token pass streams every weight once, and the hardware's prefetchers alone kept
 // the products well below the memory's bandwidth on a Xeon (AVX-512, one thread, 166 MB
 // of Q4_1 blocks streamed: 7.0 GB/s; with the blocks 8 KiB ahead asked for at each block,
@@ -185,8 +185,7 @@ inline __m256i pair_of(const int16_t* a) {  // two activations, in every 32-bit 
 //   acc = fma(float(sum(q * a)), d * s, acc); acc = fma(m, s * sum(a), acc)   block by block.
 template <int TYPE, int T>
 void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, float* y, int64_t n_out, int rows) {
-  constexpr int bytes = ROWS * (TYPE == Q4_0 ? 2 + QK / 2 : TYPE == Q4_1 ? 4 + QK / 2 : 2 + QK);
-  constexpr int ints_at = TYPE == Q4_1 ? 4 * ROWS : 2 * ROWS;
+  constexpr int bytes = ROWS * block_size(TYPE), ints_at = ints_offset(TYPE);
   const int64_t k = nb * QK;
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
@@ -286,8 +285,7 @@ inline __m512i pair_of_512(const int16_t* a) {  // two activations, in every 32-
 template <int TYPE, int T, int A = (T == 1 ? 4 : T <= 3 ? 2 : 1)>
 void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& x, int64_t t0, float* y,
                int64_t n_out, int rows) {
-  constexpr int bytes = ROWS * (TYPE == Q4_0 ? 2 + QK / 2 : TYPE == Q4_1 ? 4 + QK / 2 : 2 + QK);
-  constexpr int ints_at = TYPE == Q4_1 ? 4 * ROWS : 2 * ROWS;
+  constexpr int bytes = ROWS * block_size(TYPE), ints_at = ints_offset(TYPE);
   const int64_t k = nb * QK;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
