@@ -72,6 +72,49 @@ class GGUFEmbedding(torch.nn.Module):
                                 ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
 
 
+HUGE_PAGE = 2 << 20
+
+
+def arrange(model) -> int:
+    """Moves the packed blocks of every GGUF module of the model into one buffer on huge
+    pages (Linux's transparent huge pages, which it gives where asked: `madvise`, the
+    default of most distributions); -> its bytes. A one-token pass streams every weight
+    once: on 4 KiB pages it walked the page tables for each 4 KiB it read (the default
+    target's 96 MB: some 24,000 pages a pass, far past what the TLB holds). Measured on
+    a 2-core Xeon, one run, the engine's one-token pass: 11.4 -> 9.2-10.3 ms on 1 thread,
+    5.2-5.6 -> 4.7-4.9 ms on 2 (`python -m deploy.bench_engine` prints the pass)."""
+    modules = [m for m in model.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))]
+    held = {}  # a tied head shares its embedding's blocks: moved once
+    for m in modules:
+        held.setdefault(m.packed.data_ptr(), m.packed)
+    if not held:
+        return 0
+    sizes = [-(-t.numel() // 64) * 64 for t in held.values()]  # each tensor on a cache line of its own
+    buffer, offset, moved = _huge_page_buffer(sum(sizes)), 0, {}
+    for (ptr, tensor), size in zip(held.items(), sizes):
+        moved[ptr] = buffer[offset:offset + tensor.numel()].view(tensor.shape).copy_(tensor)
+        offset += size
+    for m in modules:
+        m.packed = moved[m.packed.data_ptr()]
+    return buffer.numel()
+
+
+def _huge_page_buffer(size: int) -> torch.Tensor:
+    """size bytes, starting on a 2 MiB boundary of a private anonymous map marked for huge
+    pages; plain memory where the system has no such map."""
+    import mmap
+
+    try:
+        area = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area.madvise(mmap.MADV_HUGEPAGE)  # before the first write: the pages are made then
+    except (AttributeError, OSError, ValueError) as err:  # not Linux, or no transparent huge pages
+        log.info("GGUF blocks on ordinary pages (%s)", err)
+        return torch.empty(size, dtype=torch.uint8)
+    whole = torch.frombuffer(area, dtype=torch.uint8)  # keeps the map alive as long as a view of it
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + size]
+
+
 def pack(blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """The file's blocks [rows, bytes] in the kernels' layout: rows in groups of 8, their
     integers interleaved (specdec/kernels/gguf_cpu.cpp). The same bytes, rearranged."""

@@ -232,7 +232,9 @@ def quantize(model, method: str):
         for parent in list(model.modules()):
             _share_inputs(parent, ggml.fuse)
         norms = ggml.replace_norms(model)
-        log.info("%d layers run on the GGUF file's own blocks, %d norms in one kernel each", replaced, norms)
+        held = ggml.arrange(model)
+        log.info("%d layers run on the GGUF file's own blocks (%.0f MB, on huge pages where the system gives "
+                 "them), %d norms in one kernel each", replaced, held / 1e6, norms)
     else:
         head = model.get_output_embeddings()
         for parent in list(model.modules()):

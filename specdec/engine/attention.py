@@ -4,7 +4,7 @@ AttentionInterface) with the pass's `Plan`: the tokens of all rows are packed in
 sequence, so the linear layers see one [1, tokens] input, and only attention needs to
 know where each row's history lives."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -41,6 +41,9 @@ class Plan:
     # token attends [T]); `groups` is then empty.
     kernel: Callable | None = None
     table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Set once every row's caller has gone, for a pass that runs its layers in one kernel
+    # call (specdec/kernels/layer_cpu.cpp): it reads it before each layer.
+    stop: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.uint8))
 
     def abandoned(self) -> bool:
         """Every row's caller has gone (a decode whose reader moved on to another call on

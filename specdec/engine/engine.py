@@ -182,7 +182,9 @@ class Engine:
     def cancel(self, work: Work) -> None:
         with self.cond:
             work.cancelled = True
-            if not work.in_pass and work in self.queue:
+            if work.in_pass:
+                self.runner.stop_if_abandoned()
+            elif work in self.queue:
                 self._finish(work)
                 self.cond.notify()
 

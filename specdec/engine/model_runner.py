@@ -19,11 +19,12 @@ class ModelRunner:
         steps); longer ones (prefill chunks) attend in a group of their own."""
         model.set_attn_implementation(ATTENTION)
         self.model, self.device, self.pool, self.short = model, model.device, pool, short
+        self.plan: Plan | None = None  # the pass running or last run
         self.attention_dtype = attention_dtype(model, model.dtype)
         self.kernel = _cpu_attention(model, self.attention_dtype)
         self.forward = _llama_forward if _is_llama(model) else _transformers_forward
-        if self.forward is _llama_forward and self.kernel is not None and (layers := _layer_kernel_arguments(model)):
-            self.forward = functools.partial(_layer_kernel_forward, layers)
+        if self.forward is _llama_forward and self.kernel is not None and (stack := _layer_stack(model)):
+            self.forward = functools.partial(_layer_kernel_forward, stack)
 
     def run(self, batch: list[Row]) -> torch.Tensor:
         """One forward over every row's next tokens; -> logits of the wanted positions
@@ -48,6 +49,7 @@ class ModelRunner:
             short = [p for p in placed if p[0].n <= self.short]
             plan.groups = [self._group(g) for g in ([short] if short else [])
                            + [[p] for p in placed if p[0].n > self.short]]
+        self.plan = plan
         with torch.inference_mode():
             logits = self.forward(self.model, torch.tensor([ids], device=device),
                                   torch.tensor([positions], device=device),
@@ -55,6 +57,13 @@ class ModelRunner:
         if device.type == "cuda":  # the pass's time is read right after: let it end first
             torch.cuda.synchronize(device)
         return logits
+
+    def stop_if_abandoned(self) -> None:
+        """Called after a work of the running pass is cancelled: where every row's caller has
+        gone, a pass whose layers run in one kernel call stops before its next layer (the
+        Python pass asks between layers itself)."""
+        if (plan := self.plan) is not None and plan.abandoned():
+            plan.stop.fill_(1)
 
     def _group(self, placed: list[tuple[Row, int, torch.Tensor]]) -> Group:
         """The attention layout of rows (each with its offset in the packed tokens and the
@@ -156,44 +165,48 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
     return model.lm_head(inner.norm(h)[:, keep])
 
 
-def _layer_kernel_arguments(model) -> list[tuple] | None:
-    """What specdec/kernels/layer_cpu.cpp's `llama_layer` takes of each decoder layer of a
-    Llama model on GGUF blocks (q, k and v as one product; gate and up as one; the norms
-    in their kernel; silu), or None where a layer is otherwise: _llama_forward runs it."""
+def _layer_stack(model):
+    """specdec/kernels/layer_cpu.cpp's `LlamaStack` over the decoder layers of a Llama
+    model on GGUF blocks (q, k and v as one product; gate and up as one; the norms in
+    their kernel; silu), or None where a layer is otherwise: _llama_forward runs it."""
     from specdec import ggml
+    from specdec.kernels import cpu
 
-    config, layers = model.config, []
+    config, layers, norms, weights, kinds = model.config, model.model.layers, [], [], []
     if getattr(config, "hidden_act", None) != "silu":
         return None
-    for layer in model.model.layers:
+    first = layers[0]
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = getattr(attn, "shared_q_k_v", None), getattr(mlp, "shared_gate_up", None)
         linears = [qkv and qkv.linear, attn.o_proj, gate_up and gate_up.linear, mlp.down_proj]
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        pair = [layer.input_layernorm, layer.post_attention_layernorm]
         if not all(isinstance(m, ggml.GGUFLinear) and m.bias is None for m in linears) \
-                or not all(isinstance(n, ggml.RMSNorm) and n.weight.dtype == torch.float32 for n in norms) \
-                or norms[0].variance_epsilon != norms[1].variance_epsilon:
+                or not all(isinstance(n, ggml.RMSNorm) and n.weight.dtype == torch.float32 for n in pair) \
+                or {n.variance_epsilon for n in pair} != {first.input_layernorm.variance_epsilon} \
+                or attn.scaling != first.self_attn.scaling or qkv.columns != first.self_attn.shared_q_k_v.columns:
             return None
-        sizes = [config.num_attention_heads, (qkv.columns[2][1] - qkv.columns[2][0]) // attn.head_dim, attn.head_dim,
-                 mlp.down_proj.in_features]
-        layers.append(([n.weight for n in norms], norms[0].variance_epsilon, [m.packed for m in linears],
-                       [m.kind for m in linears], sizes, attn.scaling))
-    return layers
+        norms += [n.weight for n in pair]
+        weights += [m.packed for m in linears]
+        kinds += [m.kind for m in linears]
+    (_, _), (_, k_end), (v_start, v_end) = first.self_attn.shared_q_k_v.columns
+    head_dim = first.self_attn.head_dim
+    sizes = [config.hidden_size, config.num_attention_heads, (v_end - v_start) // head_dim, head_dim,
+             first.mlp.down_proj.in_features]
+    return cpu().LlamaStack(norms, weights, kinds, sizes, first.input_layernorm.variance_epsilon,
+                            first.self_attn.scaling)
 
 
-def _layer_kernel_forward(layers: list[tuple], model, ids, positions, keep, plan: Plan) -> torch.Tensor:
-    """_llama_forward with each decoder layer in one kernel call (`llama_layer`): the same
-    operations on each element, so the same bits; about a fifth of the pass went to the
-    Python and small operations between the products."""
-    from specdec.kernels import cpu
-
-    layer_kernel, inner = cpu().llama_layer, model.model
+def _layer_kernel_forward(stack, model, ids, positions, keep, plan: Plan) -> torch.Tensor:
+    """_llama_forward with every decoder layer in one kernel call (`LlamaStack.forward`):
+    the same operations on each element, so the same bits. About a fifth of the pass
+    went to the Python and small operations between the products."""
+    inner = model.model
     h = inner.embed_tokens(ids)  # [1, T, hidden]
     cos, sin = inner.rotary_emb(h, positions)
-    cos, sin, h = cos[0].contiguous(), sin[0].contiguous(), h[0]
-    for i, (norms, eps, weights, kinds, sizes, scaling) in enumerate(layers):
-        if plan.abandoned():
-            raise Abandoned  # before this layer writes: the rows' caches stay as they were before the pass
-        h = layer_kernel(h, cos, sin, norms, eps, weights, kinds, sizes, plan.pool.k[i], plan.pool.v[i],
-                         plan.write_slots, *plan.table, scaling)
+    if plan.abandoned():
+        raise Abandoned  # before the first layer writes
+    h = stack.forward(h[0], cos[0], sin[0], plan.pool.k, plan.pool.v, plan.write_slots, *plan.table, plan.stop)
+    if h is None:
+        raise Abandoned  # what the layers before it wrote lies past the rows' cached positions: not counted
     return model.lm_head(inner.norm(h[None])[:, keep])

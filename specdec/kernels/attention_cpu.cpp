@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -50,6 +51,73 @@ inline double dot(const double* a, const float* b, int64_t d) {
 #endif
   for (; i < d; ++i) s += a[i] * b[i];
   return s;
+}
+
+// e^x, for the softmax's x = score - the row's largest score (<= 0), in float64 within about
+// an ulp: std::exp, a call a score, took most of the attention's time (a one-token pass of
+// the default target: about 60%). x = k ln2 + r, |r| <= ln2 / 2; e^r by its Taylor series
+// to r^13 (the rest below 1e-17 of it); 2^k put into the exponent's bits. The same
+// operations on every value, SIMD lanes and the scalar rest alike, so a score's weight
+// does not depend on where in the row it lies; below e^-708 (2^-1021) a weight is 0:
+// against the largest weight, 1, it is lost in every sum it enters.
+constexpr double EXP_FLOOR = -708.0, LOG2E = 0x1.71547652b82fep0, LN2_HI = 0x1.62e42fefa39efp-1,
+                 LN2_LO = 0x1.abc9e3b39803fp-56, BIAS = 0x1.8p52 + 1023.0;  // k + BIAS: k + 1023 in the low bits
+constexpr double TAYLOR[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                               1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
+                               1.0 / 6227020800};
+
+inline double exp_nonpositive(double x) {
+  if (x < EXP_FLOOR) return 0.0;
+  const double k = std::nearbyint(x * LOG2E);
+  const double r = std::fma(-k, LN2_LO, std::fma(-k, LN2_HI, x));
+  double p = TAYLOR[13];
+  for (int i = 12; i >= 0; --i) p = std::fma(p, r, TAYLOR[i]);
+  uint64_t bits;
+  const double biased = k + BIAS;
+  std::memcpy(&bits, &biased, 8);
+  bits <<= 52;
+  double scale;
+  std::memcpy(&scale, &bits, 8);
+  return p * scale;
+}
+
+// s[j] = e^(s[j] - top) for j < n.
+inline void exp_shifted(double* s, int64_t n, double top) {
+  int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  const __m512d shift = _mm512_set1_pd(top);
+  for (; j + 8 <= n; j += 8) {
+    const __m512d x = _mm512_sub_pd(_mm512_loadu_pd(s + j), shift);
+    const __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(LOG2E)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512d minus_k = _mm512_sub_pd(_mm512_setzero_pd(), k);
+    const __m512d r = _mm512_fmadd_pd(minus_k, _mm512_set1_pd(LN2_LO),
+                                      _mm512_fmadd_pd(minus_k, _mm512_set1_pd(LN2_HI), x));
+    __m512d p = _mm512_set1_pd(TAYLOR[13]);
+    for (int i = 12; i >= 0; --i) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(TAYLOR[i]));
+    const __m512d scale =
+        _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(_mm512_add_pd(k, _mm512_set1_pd(BIAS))), 52));
+    const __mmask8 lost = _mm512_cmp_pd_mask(x, _mm512_set1_pd(EXP_FLOOR), _CMP_LT_OQ);
+    _mm512_storeu_pd(s + j, _mm512_maskz_mul_pd(static_cast<__mmask8>(~lost), p, scale));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256d shift = _mm256_set1_pd(top);
+  for (; j + 4 <= n; j += 4) {
+    const __m256d x = _mm256_sub_pd(_mm256_loadu_pd(s + j), shift);
+    const __m256d k = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(LOG2E)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256d minus_k = _mm256_sub_pd(_mm256_setzero_pd(), k);
+    const __m256d r = _mm256_fmadd_pd(minus_k, _mm256_set1_pd(LN2_LO),
+                                      _mm256_fmadd_pd(minus_k, _mm256_set1_pd(LN2_HI), x));
+    __m256d p = _mm256_set1_pd(TAYLOR[13]);
+    for (int i = 12; i >= 0; --i) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(TAYLOR[i]));
+    const __m256d scale =
+        _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(k, _mm256_set1_pd(BIAS))), 52));
+    const __m256d kept = _mm256_cmp_pd(x, _mm256_set1_pd(EXP_FLOOR), _CMP_NLT_UQ);  // NaN kept: it stays NaN
+    _mm256_storeu_pd(s + j, _mm256_and_pd(_mm256_mul_pd(p, scale), kept));
+  }
+#endif
+  for (; j < n; ++j) s[j] = exp_nonpositive(s[j] - top);
 }
 
 // out[i] = sum over j < n of p[j] * v_j[i], j in order, for the d values of each v_j
@@ -97,36 +165,14 @@ inline void weighted_sum(const double* p, const float* v, const int64_t* offsets
 
 }  // namespace
 
-// q: [T, H, d] float32, the pass's new tokens packed; k_pool, v_pool: [slots, KVH, d] float32;
-// slots: [B, L] int64, each row's pool slots in position order; rows: [T] the row of
-// each token; lengths: [T] how many positions each token attends (its position + 1).
-// -> [T, H, d] float32: softmax(scale * q k) v over those positions, head h reading
-// key-value head h / (H / KVH).
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
-                        torch::Tensor rows, torch::Tensor lengths, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [T, H, d] float32");
-  TORCH_CHECK(k_pool.scalar_type() == torch::kFloat32 && v_pool.scalar_type() == torch::kFloat32 &&
-                  k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
-              "the pools must be contiguous [slots, KVH, d] float32");
-  q = q.contiguous();
-  slots = slots.to(torch::kLong).contiguous();
-  rows = rows.to(torch::kLong).contiguous();
-  lengths = lengths.to(torch::kLong).contiguous();
-  const int64_t T = q.size(0), H = q.size(1), d = q.size(2), KVH = k_pool.size(1), S = k_pool.size(0);
-  const int64_t B = slots.size(0), L = slots.size(1);
-  TORCH_CHECK(k_pool.size(2) == d && H % KVH == 0, "q's heads do not match the pool's");
-  TORCH_CHECK(rows.numel() == T && lengths.numel() == T, "rows and lengths need one entry per token");
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* lp = lengths.data_ptr<int64_t>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(rp[t] >= 0 && rp[t] < B && lp[t] >= 1 && lp[t] <= L, "token ", t, " reads outside its row");
-  for (int64_t i = 0; i < B * L; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "slot ", sp[i], " out of the pool");
-  auto out = torch::empty({T, H, d}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// q: T tokens x H heads x d float32, the pass's new tokens packed; k_pool, v_pool: slots x
+// KVH x d float32; slots: B rows of L int64, each row's pool slots in position order;
+// rows: the row of each token; lengths: how many positions each token attends (its
+// position + 1) -> out: T x H x d float32, softmax(scale * q k) v over those positions,
+// head h reading key-value head h / (H / KVH). The caller has checked the table
+// (check_table).
+void attend(const float* qp, int64_t T, int64_t H, int64_t d, const float* kp, const float* vp, int64_t KVH,
+            const int64_t* sp, int64_t L, const int64_t* rp, const int64_t* lp, double scale, float* op) {
   const int64_t group = H / KVH;
   at::parallel_for(0, T * H, 8, [&](int64_t begin, int64_t end) {
     std::vector<double> scores(L), acc(d), query(d);
@@ -141,14 +187,48 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_p
         scores[j] = dot(query.data(), kp + at[j], d) * scale;
         top = std::max(top, scores[j]);
       }
+      exp_shifted(scores.data(), n, top);  // now the weights
       double total = 0.0;
-      for (int64_t j = 0; j < n; ++j) {
-        scores[j] = std::exp(scores[j] - top);  // now the weights
-        total += scores[j];
-      }
+      for (int64_t j = 0; j < n; ++j) total += scores[j];
       weighted_sum(scores.data(), vp, at.data(), n, acc.data(), d);
       for (int64_t i = 0; i < d; ++i) op[th * d + i] = static_cast<float>(acc[i] / total);
     }
   });
+}
+
+// slots [B, L], rows [T], lengths [T] as `attend` takes them (int64, contiguous), checked
+// against a pool of S slots: every token reads inside its row, every slot inside the pool.
+void check_table(const torch::Tensor& slots, const torch::Tensor& rows, const torch::Tensor& lengths, int64_t T,
+                 int64_t S) {
+  TORCH_CHECK(slots.dim() == 2 && rows.numel() == T && lengths.numel() == T,
+              "slots must be [rows, L]; rows and lengths need one entry per token");
+  const int64_t B = slots.size(0), L = slots.size(1);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(rp[t] >= 0 && rp[t] < B && lp[t] >= 1 && lp[t] <= L, "token ", t, " reads outside its row");
+  for (int64_t i = 0; i < B * L; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "slot ", sp[i], " out of the pool");
+}
+
+// q: [T, H, d] float32; k_pool, v_pool: [slots, KVH, d] float32; slots [B, L], rows [T],
+// lengths [T] as `attend` takes them -> [T, H, d] float32.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
+                        torch::Tensor rows, torch::Tensor lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [T, H, d] float32");
+  TORCH_CHECK(k_pool.scalar_type() == torch::kFloat32 && v_pool.scalar_type() == torch::kFloat32 &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
+              "the pools must be contiguous [slots, KVH, d] float32");
+  q = q.contiguous();
+  slots = slots.to(torch::kLong).contiguous();
+  rows = rows.to(torch::kLong).contiguous();
+  lengths = lengths.to(torch::kLong).contiguous();
+  const int64_t T = q.size(0), H = q.size(1), d = q.size(2), KVH = k_pool.size(1);
+  TORCH_CHECK(k_pool.size(2) == d && H % KVH == 0, "q's heads do not match the pool's");
+  check_table(slots, rows, lengths, T, k_pool.size(0));
+  auto out = torch::empty({T, H, d}, q.options());
+  attend(q.data_ptr<float>(), T, H, d, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), KVH,
+         slots.data_ptr<int64_t>(), slots.size(1), rows.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), scale,
+         out.data_ptr<float>());
   return out;
 }

@@ -480,18 +480,14 @@ torch::Tensor pack(torch::Tensor w, int64_t type) {
   return out;
 }
 
-// x: [M, K] float32; w: the packed blocks of N rows (pack) -> [M, N] float32.
-torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be packed blocks");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  TORCH_CHECK(K % QK == 0 && w.size(1) == nb * group_bytes(type) && w.size(0) == (N + ROWS - 1) / ROWS,
-              "w's packed blocks do not cover ", N, " rows of x's ", K, " columns");
-  auto y = torch::empty({M, N}, x.options());
+// x: M rows of K float32; w: the packed blocks of N rows (pack), `groups` groups of
+// `stride` bytes -> y: M rows of N float32. For callers that hold their own buffers (a
+// whole pass in one call: layer_cpu.cpp); `matmul` checks the shapes for it.
+void matmul_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t groups, int64_t stride,
+                 int64_t type, int64_t N, float* yp) {
+  const int64_t nb = K / QK;
   Rounded rounded(M, K);
   const Isa isa = chosen.load();
-  const float* xp = x.data_ptr<float>();
   for (int64_t t = 0; t < M; ++t) {
     int16_t* a = rounded.a.data() + t * K;
     float *scale = rounded.scale.data() + t * nb, *scaled_sum = rounded.scaled_sum.data() + t * nb;
@@ -503,9 +499,6 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N) 
 #endif
     round_row_portable(xp + t * K, K, a, scale, scaled_sum);
   }
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = w.size(0), stride = w.size(1);
   auto rows_of = [&](int64_t g) { return static_cast<int>(std::min<int64_t>(ROWS, N - g * ROWS)); };
   // Pairs of groups of output rows are split between threads.
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
@@ -528,6 +521,23 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N) 
       }
     }
   });
+}
+
+// The packed blocks w hold N rows of x's K columns: a check for `matmul_rows`' callers.
+void check_packed(const torch::Tensor& w, int64_t type, int64_t K, int64_t N) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be packed blocks");
+  TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * group_bytes(type) && w.size(0) == (N + ROWS - 1) / ROWS,
+              "w's packed blocks do not cover ", N, " rows of ", K, " columns");
+}
+
+// x: [M, K] float32; w: the packed blocks of N rows (pack) -> [M, N] float32.
+torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed(w, type, K, N);
+  auto y = torch::empty({M, N}, x.options());
+  matmul_rows(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(0), w.size(1), type, N, y.data_ptr<float>());
   return y;
 }
 

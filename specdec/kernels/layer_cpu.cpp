@@ -1,7 +1,12 @@
-// One Llama decoder layer of a model on GGUF blocks, in one call: the engine's pass of the
-// default target ran some 25 small torch operations a layer from Python (views, rotary
-// embedding, cache writes, residual adds, the activation), and they cost about as much
-// as the layer's products. Here they are plain loops between the kernels' own calls.
+// A Llama model's decoder layers on GGUF blocks, a whole pass of them in one call.
+//
+// Why one call: the engine's pass of the default target ran some 25 small torch operations
+// a layer from Python (views, rotary embedding, cache writes, residual adds, the
+// activation), which cost about as much as the layer's products; a call a layer then
+// still cost each layer its arguments' conversion from Python, its checks of the pass's
+// table and its allocations. Here the pass's arguments are checked once, the layers run
+// between the kernels' own loops on buffers of the pass, and the interpreter's lock is
+// let go for the whole of it (the service's event loop runs meanwhile).
 //
 // The same operations on each element, in the same order, as the engine's Python pass
 // of the same model (specdec/engine/model_runner.py, _llama_forward): the same bits, which
@@ -10,14 +15,20 @@
 // own silu.
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
-torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t n);
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
-                        torch::Tensor rows, torch::Tensor lengths, double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+void matmul_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups, int64_t stride,
+                 int64_t type, int64_t N, float* y);
+void check_packed(const torch::Tensor& w, int64_t type, int64_t K, int64_t N);
+void attend(const float* q, int64_t T, int64_t H, int64_t d, const float* k_pool, const float* v_pool, int64_t KVH,
+            const int64_t* slots, int64_t L, const int64_t* rows, const int64_t* lengths, double scale, float* out);
+void check_table(const torch::Tensor& slots, const torch::Tensor& rows, const torch::Tensor& lengths, int64_t T,
+                 int64_t S);
+void rms_norm_rows(const float* x, const float* w, int64_t n, int64_t rows, double eps, float* y);
 
 namespace {
 
@@ -31,58 +42,149 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
   }
 }
 
+inline void add_into(float* h, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] += y[i];
+}
+
 }  // namespace
 
-// h: [T, hidden] float32, the pass's packed tokens; cos, sin: [T, head_dim];
-// norms: {input, post-attention} weights; weights: the packed blocks of {q|k|v, o,
-// gate|up, down}, with their types; sizes: {heads, kv_heads, head_dim, intermediate};
-// k_pool, v_pool: [slots, kv_heads, head_dim] float32, written at write_slots [T];
-// slots, rows, lengths, scale: as `attention` takes them. -> the layer's output h.
-torch::Tensor llama_layer(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> norms,
-                          double eps, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-                          std::vector<int64_t> sizes, torch::Tensor k_pool, torch::Tensor v_pool,
-                          torch::Tensor write_slots, torch::Tensor slots, torch::Tensor rows, torch::Tensor lengths,
-                          double scale) {
-  TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && types.size() == 4 && sizes.size() == 4,
-              "a layer takes 2 norms, 4 weights and their types, and 4 sizes");
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat32, "h must be [T, hidden] float32");
-  const int64_t T = h.size(0), hidden = h.size(1);
-  const int64_t heads = sizes[0], kv_heads = sizes[1], d = sizes[2], inter = sizes[3];
-  const int64_t q_cols = heads * d, kv_cols = kv_heads * d, qkv_cols = q_cols + 2 * kv_cols;
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == d,
-              "cos and sin must be [T, head_dim]");
-  TORCH_CHECK(k_pool.scalar_type() == torch::kFloat32 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  k_pool.dim() == 3 && k_pool.size(1) == kv_heads && k_pool.size(2) == d &&
-                  k_pool.sizes() == v_pool.sizes(),
-              "the pools must be contiguous [slots, kv_heads, head_dim] float32");
+// A model's decoder layers, held for its passes (the engine builds one at load).
+class LlamaStack {
+ public:
+  LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+             std::vector<int64_t> sizes, double eps, double scale);
+  std::optional<torch::Tensor> forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                                       std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
+                                       torch::Tensor write_slots, torch::Tensor slots, torch::Tensor rows,
+                                       torch::Tensor lengths, torch::Tensor stop) const;
+
+ private:
+  std::vector<torch::Tensor> norms_, weights_;
+  std::vector<int64_t> types_;
+  double eps_, scale_;
+  int64_t layers_, hidden_, heads_, kv_heads_, d_, inter_;
+};
+
+// norms: 2 a layer {input, post-attention} weights; weights: 4 a layer, the packed blocks of
+// {q|k|v, o, gate|up, down}, with their types; sizes: {hidden, heads, kv_heads, head_dim,
+// intermediate}.
+LlamaStack::LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights,
+                       std::vector<int64_t> types, std::vector<int64_t> sizes, double eps, double scale)
+    : norms_(std::move(norms)), weights_(std::move(weights)), types_(std::move(types)), eps_(eps), scale_(scale) {
+  TORCH_CHECK(sizes.size() == 5, "sizes: hidden, heads, kv_heads, head_dim, intermediate");
+  hidden_ = sizes[0], heads_ = sizes[1], kv_heads_ = sizes[2], d_ = sizes[3], inter_ = sizes[4];
+  layers_ = static_cast<int64_t>(weights_.size()) / 4;
+  TORCH_CHECK(layers_ > 0 && weights_.size() == 4 * layers_ && types_.size() == weights_.size() &&
+                  norms_.size() == 2 * layers_,
+              "a layer takes 2 norms, 4 weights and their types");
+  TORCH_CHECK(heads_ % kv_heads_ == 0 && d_ % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
+  const int64_t qkv = (heads_ + 2 * kv_heads_) * d_;
+  const int64_t in[4] = {hidden_, heads_ * d_, hidden_, inter_}, out[4] = {qkv, hidden_, 2 * inter_, hidden_};
+  for (int64_t l = 0; l < layers_; ++l) {
+    for (int i = 0; i < 2; ++i) {
+      torch::Tensor& n = norms_[2 * l + i];
+      TORCH_CHECK(n.scalar_type() == torch::kFloat32 && n.numel() == hidden_, "a norm's weight is [hidden] float32");
+      n = n.contiguous();
+    }
+    for (int i = 0; i < 4; ++i) check_packed(weights_[4 * l + i], types_[4 * l + i], in[i], out[i]);
+  }
+}
+
+// h: [T, hidden] float32, the pass's packed tokens; cos, sin: [T, head_dim]; k_pools,
+// v_pools: a layer's [slots, kv_heads, head_dim] float32 each, written at write_slots
+// [T]; slots [B, L], rows [T], lengths [T]: what each token attends (attention_cpu.cpp);
+// stop: [1] uint8, set (by another thread) when nobody reads the pass any more.
+// -> the last layer's h, or None where stop was found set before a layer (the layers
+// after it have written nothing).
+std::optional<torch::Tensor> LlamaStack::forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                                                 std::vector<torch::Tensor> k_pools,
+                                                 std::vector<torch::Tensor> v_pools, torch::Tensor write_slots,
+                                                 torch::Tensor slots, torch::Tensor rows, torch::Tensor lengths,
+                                                 torch::Tensor stop) const {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat32 && h.size(1) == hidden_,
+              "h must be [T, hidden] float32");
+  const int64_t T = h.size(0), d = d_, q_cols = heads_ * d, kv_cols = kv_heads_ * d, qkv_cols = q_cols + 2 * kv_cols;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == d &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+              "cos and sin must be [T, head_dim] float32");
+  TORCH_CHECK(static_cast<int64_t>(k_pools.size()) == layers_ && v_pools.size() == k_pools.size(),
+              "one k and one v pool a layer");
+  const int64_t pool_slots = k_pools[0].size(0);
+  for (int64_t l = 0; l < layers_; ++l)
+    for (const torch::Tensor* pool : {&k_pools[l], &v_pools[l]})
+      TORCH_CHECK(pool->scalar_type() == torch::kFloat32 && pool->is_contiguous() && pool->dim() == 3 &&
+                      pool->size(0) == pool_slots && pool->size(1) == kv_heads_ && pool->size(2) == d,
+                  "the pools must be contiguous [slots, kv_heads, head_dim] float32");
+  TORCH_CHECK(stop.scalar_type() == torch::kUInt8 && stop.numel() == 1, "stop must be [1] uint8");
   write_slots = write_slots.to(torch::kLong).contiguous();
+  slots = slots.to(torch::kLong).contiguous();
+  rows = rows.to(torch::kLong).contiguous();
+  lengths = lengths.to(torch::kLong).contiguous();
   TORCH_CHECK(write_slots.numel() == T, "one write slot per token");
+  const int64_t* wp = write_slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(wp[t] >= 0 && wp[t] < pool_slots, "write slot ", wp[t], " out of the pool");
+  check_table(slots, rows, lengths, T, pool_slots);
   cos = cos.contiguous();
   sin = sin.contiguous();
 
-  // Attention: q, k and v in one product; q and k turned; k and v into the pool.
-  const torch::Tensor qkv = matmul(rms_norm(h, norms[0], eps), weights[0], types[0], qkv_cols);
-  torch::Tensor q = torch::empty({T, heads, d}, h.options());
-  const float* src = qkv.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  float* kp = k_pool.data_ptr<float>();
-  float* vp = v_pool.data_ptr<float>();
-  const int64_t* wp = write_slots.data_ptr<int64_t>();
-  const int64_t pool_slots = k_pool.size(0);
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(wp[t] >= 0 && wp[t] < pool_slots, "write slot ", wp[t], " out of the pool");
-    const float* row = src + t * qkv_cols;
-    const float* c = cos.data_ptr<float>() + t * d;
-    const float* s = sin.data_ptr<float>() + t * d;
-    for (int64_t i = 0; i < heads; ++i) rotate(row + i * d, c, s, d, qp + (t * heads + i) * d);
-    for (int64_t i = 0; i < kv_heads; ++i) rotate(row + q_cols + i * d, c, s, d, kp + (wp[t] * kv_heads + i) * d);
-    std::memcpy(vp + wp[t] * kv_cols, row + q_cols + kv_cols, kv_cols * sizeof(float));
-  }
-  const torch::Tensor o = attention(q, k_pool, v_pool, slots, rows, lengths, scale).reshape({T, q_cols});
-  h = h + matmul(o, weights[1], types[1], hidden);
+  h = h.contiguous().clone();  // the residual stream, added to in place
+  const auto options = h.options();
+  torch::Tensor x = torch::empty({T, hidden_}, options), y = torch::empty({T, hidden_}, options);
+  torch::Tensor qkv = torch::empty({T, qkv_cols}, options), q = torch::empty({T, q_cols}, options);
+  torch::Tensor o = torch::empty({T, q_cols}, options), gate_up = torch::empty({T, 2 * inter_}, options);
+  torch::Tensor act = torch::empty({T, inter_}, options);
+  float *hp = h.data_ptr<float>(), *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>();
+  float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *op = o.data_ptr<float>();
+  float *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const torch::Tensor gate = gate_up.narrow(1, 0, inter_);
+  const uint8_t* stopped = stop.data_ptr<uint8_t>();
+  auto product = [&](int64_t l, int i, const float* in, int64_t M, int64_t K, int64_t N, float* out) {
+    const torch::Tensor& w = weights_[4 * l + i];
+    matmul_rows(in, M, K, w.data_ptr<uint8_t>(), w.size(0), w.size(1), types_[4 * l + i], N, out);
+  };
 
-  // The MLP: gate and up in one product.
-  const torch::Tensor gate_up = matmul(rms_norm(h, norms[1], eps), weights[2], types[2], 2 * inter);
-  const torch::Tensor act = torch::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
-  return h + matmul(act, weights[3], types[3], hidden);
+  for (int64_t l = 0; l < layers_; ++l) {
+    if (__atomic_load_n(stopped, __ATOMIC_ACQUIRE)) return std::nullopt;  // before this layer writes
+    float* kp = k_pools[l].data_ptr<float>();
+    float* vp = v_pools[l].data_ptr<float>();
+
+    // Attention: q, k and v in one product; q and k turned; k and v into the pool.
+    rms_norm_rows(hp, norms_[2 * l].data_ptr<float>(), hidden_, T, eps_, xp);
+    product(l, 0, xp, T, hidden_, qkv_cols, qkvp);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = qkvp + t * qkv_cols;
+      const float *c = cp + t * d, *s = sp + t * d;
+      for (int64_t i = 0; i < heads_; ++i) rotate(row + i * d, c, s, d, qp + (t * heads_ + i) * d);
+      for (int64_t i = 0; i < kv_heads_; ++i) rotate(row + q_cols + i * d, c, s, d, kp + (wp[t] * kv_heads_ + i) * d);
+      std::memcpy(vp + wp[t] * kv_cols, row + q_cols + kv_cols, kv_cols * sizeof(float));
+    }
+    attend(qp, T, heads_, d, kp, vp, kv_heads_, slots.data_ptr<int64_t>(), slots.size(1), rows.data_ptr<int64_t>(),
+           lengths.data_ptr<int64_t>(), scale_, op);
+    product(l, 1, op, T, q_cols, hidden_, yp);
+    add_into(hp, yp, T * hidden_);
+
+    // The MLP: gate and up in one product.
+    rms_norm_rows(hp, norms_[2 * l + 1].data_ptr<float>(), hidden_, T, eps_, xp);
+    product(l, 2, xp, T, hidden_, 2 * inter_, gup);
+    at::silu_out(act, gate);
+    for (int64_t t = 0; t < T; ++t) {
+      float* a = actp + t * inter_;
+      const float* up = gup + t * 2 * inter_ + inter_;
+      for (int64_t i = 0; i < inter_; ++i) a[i] *= up[i];
+    }
+    product(l, 3, actp, T, inter_, hidden_, yp);
+    add_into(hp, yp, T * hidden_);
+  }
+  return h;
+}
+
+void define_llama_stack(pybind11::module_& m) {
+  pybind11::class_<LlamaStack>(m, "LlamaStack", "a Llama model's decoder layers on GGUF blocks (layer_cpu.cpp)")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
+                          std::vector<int64_t>, double, double>(),
+           pybind11::arg("norms"), pybind11::arg("weights"), pybind11::arg("types"), pybind11::arg("sizes"),
+           pybind11::arg("eps"), pybind11::arg("scale"))
+      .def("forward", &LlamaStack::forward, "a pass through every layer; None where stop was set",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

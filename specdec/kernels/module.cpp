@@ -9,11 +9,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t n, torch::Tensor
 torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
                         torch::Tensor rows, torch::Tensor lengths, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor llama_layer(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> norms,
-                          double eps, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-                          std::vector<int64_t> sizes, torch::Tensor k_pool, torch::Tensor v_pool,
-                          torch::Tensor write_slots, torch::Tensor slots, torch::Tensor rows, torch::Tensor lengths,
-                          double scale);
+void define_llama_stack(pybind11::module_& m);
 
 // ATen takes a thread's count of threads from torch's process-wide setting at the thread's
 // first parallel call, once per shared library: this module's own first call in a thread
@@ -26,12 +22,15 @@ int64_t take_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "GGUF blocks [N, bytes] -> the kernels' layout, rows in groups of 8 (gguf_cpu.cpp)");
-  m.def("matmul", &matmul, "x [M, K] float32 @ packed GGUF blocks of N rows ^T -> [M, N] (gguf_cpu.cpp)");
+  // The products and attention let go of the interpreter's lock, as torch's own operations do.
+  m.def("matmul", &matmul, "x [M, K] float32 @ packed GGUF blocks of N rows ^T -> [M, N] (gguf_cpu.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("isas", &isas, "the GGUF products' paths in this build, narrowest first (gguf_cpu.cpp)");
   m.def("set_isa", &set_isa, "makes the GGUF products take the path named; -> the one before (gguf_cpu.cpp)");
   m.def("dequantize", &dequantize, "rows of packed GGUF blocks of N rows -> float32 (gguf_cpu.cpp)");
-  m.def("attention", &attention, "each new token attending its row's pool slots, in float64 (attention_cpu.cpp)");
+  m.def("attention", &attention, "each new token attending its row's pool slots, in float64 (attention_cpu.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("take_threads", &take_threads, "fixes this thread's torch.set_num_threads for these kernels; -> the count");
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, the sum of squares in float64 (norm_cpu.cpp)");
-  m.def("llama_layer", &llama_layer, "one Llama decoder layer on GGUF blocks (layer_cpu.cpp)");
+  define_llama_stack(m);
 }

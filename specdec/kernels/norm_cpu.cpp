@@ -7,6 +7,16 @@
 #include <cmath>
 #include <cstdint>
 
+// x: rows of n float32, w: n float32 -> y: rows of n float32.
+void rms_norm_rows(const float* xp, const float* wp, int64_t n, int64_t rows, double eps, float* yp) {
+  for (int64_t r = 0; r < rows; ++r, xp += n, yp += n) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < n; ++i) squares += static_cast<double>(xp[i]) * xp[i];
+    const float scale = 1.0f / std::sqrt(static_cast<float>(squares / n) + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i) yp[i] = wp[i] * (xp[i] * scale);
+  }
+}
+
 // x: [..., n] float32, w: [n] float32 -> [..., n] float32.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "float32 only");
@@ -15,15 +25,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   x = x.contiguous();
   w = w.contiguous();
   auto y = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t rows = x.numel() / n;
-  for (int64_t r = 0; r < rows; ++r, xp += n, yp += n) {
-    double squares = 0.0;
-    for (int64_t i = 0; i < n; ++i) squares += static_cast<double>(xp[i]) * xp[i];
-    const float scale = 1.0f / std::sqrt(static_cast<float>(squares / n) + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) yp[i] = wp[i] * (xp[i] * scale);
-  }
+  rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), n, x.numel() / n, eps, y.data_ptr<float>());
   return y;
 }

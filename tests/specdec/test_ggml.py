@@ -145,6 +145,11 @@ def test_the_default_target_runs_on_its_own_blocks(default_target):
     # 30 layers of fused q/k/v, o, fused gate/up and down; the embedding; the head (tied to it)
     assert len(kept) == 30 * 4 + 2
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    # All their blocks in one buffer from a 2 MiB boundary (huge pages where the system
+    # gives them: ggml.arrange); the head's are the embedding's
+    assert len({m.packed.untyped_storage().data_ptr() for m in kept}) == 1
+    assert min(m.packed.data_ptr() for m in kept) % ggml.HUGE_PAGE == 0
+    assert model.lm_head.packed.data_ptr() == model.model.embed_tokens.packed.data_ptr()
     ids = tokenizer("The history of the printing press begins in the fifteenth century, when")["input_ids"]
     with torch.no_grad():
         got = model(torch.tensor([ids])).logits[0]
@@ -211,6 +216,50 @@ def test_each_layer_in_one_kernel_call_gives_the_python_pass_bits():
             seqs[0].sync(len(seqs[0].tokens) - 1, [])
         for ours, theirs in zip(*outputs):
             assert torch.equal(ours, theirs)
+    finally:
+        engine.stop()
+
+
+def test_a_pass_in_one_kernel_call_stops_before_a_layer_once_nobody_reads_it():
+    """The pass's stop flag: set, the layers' kernel call writes nothing to the caches and
+    the pass ends as abandoned; clear, it runs. The runner sets it once every row of the
+    running pass has lost its caller, not before."""
+    from types import SimpleNamespace
+
+    from specdec.engine import model_runner
+    from specdec.engine.attention import Abandoned, Plan
+
+    model, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
+    engine = Engine(quantize.quantize(model, "gguf"), 16 << 20)
+    try:
+        seq = engine.new_sequence()
+        ids = tokenizer("Water boils at")["input_ids"]
+        seq.sync(0, ids)
+        want = engine.forward_now(seq, 1)[0]  # a prefill pass: engine.runner.plan is its plan
+        plan, forward = engine.runner.plan, engine.runner.forward
+        again = (model, torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([len(ids) - 1]), plan)
+        written = plan.write_slots
+        caches = [t[written] for t in (*plan.pool.k, *plan.pool.v)]
+        for t in (*plan.pool.k, *plan.pool.v):
+            t.zero_()
+        plan.stop.fill_(1)
+        with pytest.raises(Abandoned):
+            forward(*again)
+        assert not any(t.any() for t in (*plan.pool.k, *plan.pool.v))
+        plan.stop.fill_(0)
+        with torch.inference_mode():
+            assert torch.equal(forward(*again)[0], want)
+        assert all(torch.equal(a, b[written]) for a, b in zip(caches, (*plan.pool.k, *plan.pool.v)))
+
+        works = [SimpleNamespace(cancelled=False), SimpleNamespace(cancelled=False)]
+        engine.runner.plan = Plan(plan.pool, plan.write_slots, [], plan.dtype, works)
+        works[0].cancelled = True
+        engine.runner.stop_if_abandoned()
+        assert not engine.runner.plan.stop.item()  # one row is still read
+        works[1].cancelled = True
+        engine.runner.stop_if_abandoned()
+        assert engine.runner.plan.stop.item()
+        assert forward.func is model_runner._layer_kernel_forward
     finally:
         engine.stop()
 
