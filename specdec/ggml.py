@@ -81,8 +81,9 @@ def arrange(model) -> int:
     default of most distributions); -> its bytes. A one-token pass streams every weight
     once: on 4 KiB pages it walked the page tables for each 4 KiB it read (the default
     target's 96 MB: some 24,000 pages a pass, far past what the TLB holds). Measured on
-    a 2-core Xeon, one run, the engine's one-token pass: 11.4 -> 9.2-10.3 ms on 1 thread,
-    5.2-5.6 -> 4.7-4.9 ms on 2 (`python -m deploy.bench_engine` prints the pass)."""
+    a 2-core Xeon, one run, THP off and on alternately, medians of 40 one-token passes
+    of the engine: 1 thread 9.0/11.9/11.9 ms off, 9.8/8.9/10.4 on; 2 threads the same
+    within the noise."""
     modules = [m for m in model.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))]
     held = {}  # a tied head shares its embedding's blocks: moved once
     for m in modules:

@@ -24,8 +24,9 @@ def cpu():
     """The CPU kernels, one module: the GGUF block products (gguf_cpu.cpp), `pack(blocks,
     type)`, `matmul(x, packed, type, rows)` and `dequantize(packed, type, rows, ids)`; the engine's float64 paged
     attention (attention_cpu.cpp), `attention(q, k_pool, v_pool, slots, rows, lengths, scale)`;
-    Llama's RMSNorm (norm_cpu.cpp), `rms_norm(x, weight, eps)`; a Llama decoder layer on
-    GGUF blocks from those parts (layer_cpu.cpp), `llama_layer(...)`."""
+    Llama's RMSNorm (norm_cpu.cpp), `rms_norm(x, weight, eps)`; a Llama model's decoder
+    layers on GGUF blocks from those parts (layer_cpu.cpp), `LlamaStack(...)`, whose
+    `forward` takes a pass through all of them in one call."""
     from torch.utils import cpp_extension
 
     from specdec.modeling import cache_root
