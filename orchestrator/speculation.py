@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("orchestrator")
 
 # Drafter errors that say the replica is in trouble (the pool retries it later), as
-# opposed to errors about this request alone.
+# opposed to errors about this request alone. CANCELLED: the replica is stopping (below).
 REPLICA_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
-                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
+                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
 
 
 class Deadline:
@@ -208,6 +208,12 @@ class VerifierLink:
             self.pool.release(replica)
 
 
+# Verifier errors that say the session's replica is gone for it: unreachable, or stopping
+# (a verifier that began its drain on SIGTERM answered a call that reached it then with
+# CANCELLED, 6 ms in; the orchestrator's own cancellations never arrive as an error).
+REPLICA_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
 class _Retry:
     """What one verifier call does after an error: a resync (once the session is known
     lost); on an unreachable replica, a move to another one, or, with none, a pause
@@ -224,7 +230,7 @@ class _Retry:
             link.synced = 0
             link.stats.resyncs += 1
             return
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
+        if err.code() in REPLICA_GONE:
             replica = link.replica
             if replica is not None:
                 link.pool.mark_down(replica, err)

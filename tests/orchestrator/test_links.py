@@ -145,7 +145,9 @@ def test_a_drafter_refusing_one_request_is_not_marked_down():
     assert first.sessions == 0
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
+# CANCELLED: a drafter that is stopping cancels a call that reaches it as it drains.
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.CANCELLED])
 def test_a_drafter_in_trouble_is_marked_down_and_the_request_moves_on(code):
     drafts, stats, first = propose_with(error(code, "gone"))
     assert drafts == [0, 1, 2] * 2 and stats.drafter_failovers == 1

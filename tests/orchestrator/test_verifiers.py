@@ -5,6 +5,7 @@ resync, the whole history sent to the new replica. The replicas' stubs are fakes
 import asyncio
 
 import grpc
+import pytest
 
 from orchestrator.speculation import Stats, VerifierLink
 from orchestrator.verifiers import PREFIX_CHUNK, VerifierPool, VerifierReplica, prefix_hashes
@@ -108,10 +109,12 @@ def run_request(pool, history: list[int], calls: int = 2, after_first=lambda: No
     return stats
 
 
-def test_a_request_on_a_replica_that_becomes_unreachable_moves_once_and_resends_its_history():
+# Unreachable; or stopping: a verifier draining on SIGTERM cancels a call that reaches it then.
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_a_request_on_a_replica_that_becomes_unreachable_moves_once_and_resends_its_history(code):
     dying = FakeVerifier()
     pool = pool_of(dying, FakeVerifier())
-    unreachable = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "connection refused")
+    unreachable = grpc.aio.AioRpcError(code, None, None, "connection refused")
     stats = run_request(pool, [1, 2, 3], calls=3, after_first=lambda: dying.errors.append(unreachable), close=False)
     survivor = pool.replicas["v1"].stub
     assert [(r.start, list(r.new_tokens)) for r in dying.requests] == [(0, [1, 2, 3]), (3, [7])]
