@@ -95,6 +95,9 @@ class RoundCosts:
         self.lookup_draft.add(0, 0.0)
         self.lookup_accepted, self.lookup_tested = alpha_prior, 1.0
         self.lookup_tried = False
+        # How many times `probe_every` rounds a probe waits while probes find the target
+        # alone best (AdaptiveK): the deployment's, so that a new request starts from it.
+        self.backoff = 1
 
     @property
     def lookup_alpha(self) -> float:
@@ -195,7 +198,11 @@ class AdaptiveK:
     more than K = 0 (poor drafts never pay for a long first round). Later, one round in
     `probe_every` tries a neighbour of the best K so that estimates stay current; while
     the probes find the target alone best, each waits twice as long as the last (up to
-    `max_backoff` times), so poor drafts cost a request ever less.
+    `max_backoff` times), so poor drafts cost ever less. That wait is the deployment's
+    (RoundCosts.backoff), as its costs and acceptance are: a new request starts from what
+    earlier requests' probes found, not from a probe every `probe_every` rounds, and a
+    short request on a deployment whose drafts do not pay runs as the target alone
+    throughout (each probe cuts a run and puts the drafter's work beside it).
 
     With `probes_beside_runs` (greedy requests), a probe made while the target alone is
     best is no round: its drafts are asked for beside the next run, and the run's tokens
@@ -224,7 +231,7 @@ class AdaptiveK:
         self.accepted, self.tested, self.rounds = 0, 0, 0
         self.lookup_accepted, self.lookup_tested = 0, 0
         self.rng = random.Random(seed)
-        self.backoff, self.max_backoff = 1, 8
+        self.max_backoff = 8
         self.by_lookup = False  # whether the K chosen last drafts by lookup (else by the model)
 
     @property
@@ -310,10 +317,10 @@ class AdaptiveK:
         if best > 0 and 0 in known and known[best] < (1 + self.min_gain) * known[0]:
             best = 0
         if best > 0:
-            self.backoff = 1
+            self.costs.backoff = 1
         if self.rounds % self.probe_period() == 0:
             if best == 0:  # each probe that finds the target alone still best waits longer for the next
-                self.backoff = min(self.max_backoff, 2 * self.backoff)
+                self.costs.backoff = min(self.max_backoff, 2 * self.costs.backoff)
                 return self._probe(min(self.k_max, 1))
             return min(self.k_max, best + self.rng.choice((-1, 1)))
         return best
@@ -334,7 +341,7 @@ class AdaptiveK:
     def probe_period(self) -> int:
         # Probes cost every session of a pass (a late row holds the pass back); the costs are
         # shared, so with R rows per pass one probe in R rounds per session keeps them current.
-        return self.probe_every * max(1, round(self.costs.rows)) * self.backoff
+        return self.probe_every * max(1, round(self.costs.rows)) * self.costs.backoff
 
     def run_length(self, budget: int) -> int:
         """Steps of the target alone in one call after choose() said K = 0: up to the

@@ -284,9 +284,22 @@ def test_greedy_probes_go_beside_runs():
     assert sorted(ks[-20:])[10] >= 3  # long rounds
 
 
+def test_a_new_request_starts_from_the_deployments_probe_wait():
+    """Probes that found the target alone best make the next wait longer for the whole
+    deployment: a short request after them runs as the target alone, no run cut for a
+    probe; where drafts pay again, probes come every `probe_every` rounds again."""
+    costs, rng = RoundCosts(alpha_prior=0.2), random.Random(0)
+    greedy_request(costs, 0.2, rng)
+    assert costs.backoff == 8
+    ks, besides = greedy_request(costs, 0.2, rng, tokens=48)
+    assert ks == [0, 0] and besides == []  # one run to 32 (RUN_MAX), one to the end
+    greedy_request(costs, 0.95, rng)  # drafts that pass turn speculation on
+    assert costs.backoff == 1
+
+
 def test_probes_are_rounds_without_probes_beside_runs():
-    costs = RoundCosts(alpha_prior=0.0)
     for greedy in (False, True):
+        costs = RoundCosts(alpha_prior=0.0)  # a deployment of its own: a probe that fails makes the next wait
         policy = AdaptiveK(costs, k_max=4, k_start=4, probe_every=4, probes_beside_runs=greedy)
         costs.tried |= {0, 1}
         costs.plain = 0.017
