@@ -15,6 +15,7 @@
 // own silu.
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
