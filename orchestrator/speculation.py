@@ -216,9 +216,9 @@ REPLICA_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 class _Retry:
     """What one verifier call does after an error: a resync (once the session is known
-    lost); on an unreachable replica, a move to another one, or, with none, a pause
-    while it is unreachable (for up to `retry_s`, within the client's deadline); else
-    the error raised."""
+    lost); on an unreachable or stopping replica (REPLICA_GONE), a move to another one,
+    or, with none, a pause while it is unreachable (for up to `retry_s`, within the
+    client's deadline); else the error raised."""
 
     def __init__(self, link: VerifierLink):
         self.link, self.attempt, self.unreachable_since = link, 0, None

@@ -189,7 +189,7 @@ def _layer_stack(model):
         norms += [n.weight for n in pair]
         weights += [m.packed for m in linears]
         kinds += [m.kind for m in linears]
-    (_, _), (_, k_end), (v_start, v_end) = first.self_attn.shared_q_k_v.columns
+    *_, (v_start, v_end) = first.self_attn.shared_q_k_v.columns
     head_dim = first.self_attn.head_dim
     sizes = [config.hidden_size, config.num_attention_heads, (v_end - v_start) // head_dim, head_dim,
              first.mlp.down_proj.in_features]
@@ -198,9 +198,8 @@ def _layer_stack(model):
 
 
 def _layer_kernel_forward(stack, model, ids, positions, keep, plan: Plan) -> torch.Tensor:
-    """_llama_forward with every decoder layer in one kernel call (`LlamaStack.forward`):
-    the same operations on each element, so the same bits. About a fifth of the pass
-    went to the Python and small operations between the products."""
+    """_llama_forward with every decoder layer in one kernel call (`LlamaStack.forward`,
+    whose file says why): the same operations on each element, so the same bits."""
     inner = model.model
     h = inner.embed_tokens(ids)  # [1, T, hidden]
     cos, sin = inner.rotary_emb(h, positions)

@@ -15,7 +15,6 @@
 // own silu.
 #include <torch/extension.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
