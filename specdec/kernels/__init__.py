@@ -1,6 +1,8 @@
 """Compiled kernels, built once per machine on first use (a C++ compiler is needed; about
 two minutes on 2 cores) and kept in the cache directory."""
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -46,10 +48,30 @@ def cpu():
         build = Path(tempfile.gettempdir()) / "specdec-kernels" / f"cpu-{key}"
         build.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    module = cpp_extension.load(name="specdec_cpu", sources=[str(s) for s in sources], build_directory=str(build),
-                                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], verbose=False)
+    with _building(build):
+        module = cpp_extension.load(name="specdec_cpu", sources=[str(s) for s in sources],
+                                    build_directory=str(build),
+                                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                                    verbose=False)
     log.info("CPU kernels ready in %.1f s (%s)", time.monotonic() - started, build)
     return module
+
+
+@contextlib.contextmanager
+def _building(build: Path):
+    """Holds the build directory against other processes while torch builds or loads in it.
+    torch's own lock is a file (`lock`) that a killed build leaves behind, and every later
+    load then waits for it forever; an flock is released when its holder dies, so whoever
+    holds it may clear a lock file that no live build owns."""
+    try:
+        held = open(build / "build.flock", "a")
+    except OSError:  # a read-only directory: nobody builds in it
+        yield
+        return
+    with held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        yield
 
 
 def take_threads() -> int | None:

@@ -1,0 +1,25 @@
+"""The compiled kernels' cache survives a build that was killed."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from specdec import kernels
+
+LOAD = "from specdec import kernels; kernels.cpu(); print('loaded')"
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_load(tmp_path):
+    # torch's lock file, as a build killed mid-way leaves it; before, every later load of
+    # this directory waited for it forever (a service that never came up).
+    built = Path(kernels.cpu().__file__).parent
+    copy = tmp_path / "kernels" / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("build.flock"))
+    (copy / "lock").touch()
+    env = dict(os.environ, SPECDEC_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "loaded"
+    assert not (copy / "lock").exists()
