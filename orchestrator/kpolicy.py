@@ -87,7 +87,7 @@ class RoundCosts:
         self.draft.add(0, 0.0)  # drafting nothing costs nothing: one K seen gives a slope
         self.decay = decay
         self.rows, self.overhead = 1.0, 0.0  # running averages
-        self.tried: set[int] = set()
+        self.tried: set[int] = set()  # K = 0 once a run measured it; K > 0 once the model drafted it
         self.accepted, self.tested = alpha_prior, 1.0  # decayed counts over all rounds
         self.plain: float | None = None  # seconds per token of the target alone, in runs
         # Rounds drafted by prompt lookup: their drafter calls by K, and their acceptance.
@@ -143,7 +143,8 @@ class RoundCosts:
         self.observe_drafts(k, draft_s, accepted, tested, lookup)
         if batch_pass is None or batch_pass.rows < 1:  # a verifier that does not say: the call is the pass
             batch_pass = BatchPass(rows=1, tokens=k + 1, seconds=verify_s)
-        self.tried.add(k)
+        if not lookup:  # a lookup round prices the pass, not the drafter's model at this K
+            self.tried.add(k)
         self.batch_pass.add(batch_pass.tokens, batch_pass.seconds)
         self.rows = 0.9 * self.rows + 0.1 * batch_pass.rows
         self.overhead = 0.9 * self.overhead + 0.1 * max(0.0, verify_s - batch_pass.seconds)
@@ -194,8 +195,9 @@ class FixedK:
 
 class AdaptiveK:
     """K per round from measured acceptance and costs. A deployment's first rounds learn
-    the costs cheapest first: K = 0, then K = 1, and `k_start` only once K = 1 promised
-    more than K = 0 (poor drafts never pay for a long first round). Later, one round in
+    the costs cheapest first: K = 0, then K = 1 (in a greedy request, drafts beside a run:
+    no round), and `k_start` only once K = 1 promised more than K = 0 (poor drafts never
+    pay for a long first round). Later, one round in
     `probe_every` tries a neighbour of the best K so that estimates stay current; while
     the probes find the target alone best, each waits twice as long as the last (up to
     `max_backoff` times), so poor drafts cost ever less. That wait is the deployment's
@@ -306,9 +308,10 @@ class AdaptiveK:
                 self.by_lookup = True
                 return k
         tried = self.costs.tried
-        for k in (0, min(1, self.k_max)):
-            if k not in tried:
-                return k
+        if 0 not in tried:
+            return 0
+        if min(1, self.k_max) not in tried:  # a greedy request learns K = 1 beside a run, at no round's cost
+            return self._probe(1)
         speeds = {k: self.speed(k) for k in range(self.k_max + 1)}
         known = {k: s for k, s in speeds.items() if s is not None}
         if self.k_start not in tried and known.get(1, 0.0) > known.get(0, 0.0):
@@ -363,6 +366,8 @@ class AdaptiveK:
         would have had, and the drafter's time; no verifier cost (there was no round)."""
         tested = self._count(k, accepted, lookup)
         self.costs.observe_drafts(k, draft_s, accepted, tested, lookup)
+        if not lookup:  # the drafter's cost and acceptance at k, measured; its pass is priced from the curve
+            self.costs.tried.add(k)
 
     def _count(self, k: int, accepted: int, lookup: bool) -> int:
         tested = accepted + (1 if accepted < k else 0) if k > 0 else 0

@@ -273,11 +273,12 @@ def greedy_request(costs: RoundCosts, alpha: float, rng: random.Random, tokens: 
 def test_greedy_probes_go_beside_runs():
     """A greedy request whose target alone is best probes without a round: choose() says
     K = 0 and beside_run() asks for drafts to check against the run. Poor drafts then cost
-    no round after the deployment's first (which measures K = 1); a later request whose
-    drafts pass turns speculation on from what the runs told alone."""
+    no round at all: even the deployment's first measure of K = 1 is drafts beside its
+    second run; a later request whose drafts pass turns speculation on from what the runs
+    told alone."""
     costs, rng = RoundCosts(alpha_prior=0.2), random.Random(0)
     ks, besides = greedy_request(costs, 0.2, rng)
-    assert ks[:2] == [0, 1] and max(ks[2:]) == 0 and len(besides) >= 2
+    assert max(ks) == 0 and besides[0] == 1 and len(besides) >= 2
     ks, besides = greedy_request(costs, 0.95, rng)
     first = next(i for i, k in enumerate(ks) if k > 0)
     assert ks[0] == 0 and besides and besides[0] < first  # turned on by a probe beside a run
@@ -295,6 +296,22 @@ def test_a_new_request_starts_from_the_deployments_probe_wait():
     assert ks == [0, 0] and besides == []  # one run to 32 (RUN_MAX), one to the end
     greedy_request(costs, 0.95, rng)  # drafts that pass turn speculation on
     assert costs.backoff == 1
+
+
+def test_a_lookup_round_does_not_stand_in_for_the_models_first_round():
+    """A fresh deployment's first model round is K = 1 even after a lookup round of one
+    draft: that round priced the pass, not the drafter's model, and taking it for K = 1
+    priced the model's drafts at nothing and sent the first request to a K = 4 round
+    (measured: a 50 ms drafter call and a rejection for one token)."""
+    costs, step = RoundCosts(), 0.007
+    policy = AdaptiveK(costs, k_max=8, k_start=4, probes_beside_runs=False)
+    assert policy.choose() == 0
+    policy.observe_run(4, 4 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 4)
+    policy.observe(1, 1, None, 0.012, BatchPass(rows=1, tokens=2, seconds=0.0065), lookup=True)
+    assert costs.tried == {0}
+    assert policy.choose() == 1 and not policy.by_lookup
+    policy.observe(1, 0, 0.045, 0.012, BatchPass(rows=1, tokens=2, seconds=0.0065))
+    assert policy.choose() == 0  # a costly drafter call: no K = 4 round
 
 
 def test_probes_are_rounds_without_probes_beside_runs():
