@@ -7,7 +7,12 @@ same file, answers 16 chat prompts greedily; per numerics:
 - prompts whose greedy tokens are identical to the reference's;
 - the first divergence (median tokens before it);
 - the perplexity ratio: how much less likely the reference's own greedy text is under
-  the numerics than under the reference (1.0: as likely)."""
+  the numerics than under the reference (1.0: as likely).
+With --rounded-activations BITS/BLOCK,...: numerics a kernel could have, simulated on the
+reference: every linear layer's input rounded per BLOCK columns to BITS-bit integers with
+a block scale (the largest magnitude to the largest integer), the products in float64
+(a kernel's integer sums are exact). 16/32 is what our GGUF kernels do; 8/32 what
+llama.cpp's dot products do."""
 
 import argparse
 import json
@@ -58,6 +63,31 @@ def nll(model, ids: list[int], answer: list[int]) -> float:
     return torch.nn.functional.cross_entropy(logits, torch.tensor(answer)).item()
 
 
+def round_activations(model, bits: int, block: int):
+    """The reference `model` with each linear layer's input rounded (see the module's
+    docstring), in place; -> model."""
+    top = float(2 ** (bits - 1) - 1)
+
+    def rounded(linear):
+        weight = linear.weight.double()
+        bias = None if linear.bias is None else linear.bias.double()
+
+        def forward(x):
+            blocks = x.double().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+            amax = blocks.abs().amax(-1, keepdim=True)
+            scale = torch.where(amax > 0, amax / top, torch.ones_like(amax)).float().double()  # a float32 scale
+            x = (torch.round(blocks / scale) * scale).reshape(x.shape)
+            return torch.nn.functional.linear(x, weight, bias).float()
+        return forward
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            if module.in_features % block:
+                raise SystemExit(f"--rounded-activations: {module.in_features} columns are not blocks of {block}")
+            module.forward = rounded(module)
+    return model
+
+
 def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -105,6 +135,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: add llama-server's answers")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounded-activations", default="", metavar="BITS/BLOCK,...",
+                        help="also simulate each such rounding of the linear layers' inputs (16/32: our kernels')")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
@@ -117,6 +149,13 @@ def main() -> None:
         got = [greedy(model, ids, args.max_new_tokens) for ids in prompts]
         ratio = torch.tensor([nll(model, ids, a) - b for ids, a, b in zip(prompts, want, base)]).mean().exp().item()
         print(summary(f"{method} ({quantize.method_of(model)})", want, got, ratio), flush=True)
+        del model
+    for spec in [r.strip() for r in args.rounded_activations.split(",") if r.strip()]:
+        bits, block = (int(v) for v in spec.split("/"))
+        model = round_activations(modeling.load_model(args.target)[0], bits, block)
+        got = [greedy(model, ids, args.max_new_tokens) for ids in prompts]
+        ratio = torch.tensor([nll(model, ids, a) - b for ids, a, b in zip(prompts, want, base)]).mean().exp().item()
+        print(summary(f"{bits}-bit activations per {block} columns (simulated)", want, got, ratio), flush=True)
         del model
     if args.llama_cpp:
         gguf = modeling.gguf_file(args.target)
