@@ -166,8 +166,10 @@ def test_failover_to_another_replica(tiny_cluster, tiny_pair, long_case):
     o = orchestrator(tiny_cluster.roles["verifier"], [first_replica, second_replica], target_dir,
                      "orchestrator-two-drafters")
     tiny_cluster.start(o)
+    # K fixed: every round drafts (an adaptive K may find the tiny pair's drafts not worth a
+    # round and draft only beside runs, which count no accepted tokens).
     stream = Stream(tiny_cluster.orchestrator_stub(o), request_id="failover-1",
-                                                   token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG)
+                    token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG, num_speculative_tokens=4)
     # On a tie the pool pairs the request with the first replica listed: kill that one.
     tiny_cluster.kill(first_replica)
     result = stream.finish()
