@@ -244,8 +244,9 @@ def main() -> None:
         before = steady_step(eng, seqs[0])
         theirs = llama_cpp_step(args.llama_cpp, modeling.gguf_file(args.target), eng.threads)
         after = steady_step(eng, seqs[0])
-        print(f"1-token pass, {eng.threads} thread{'s' if eng.threads > 1 else ''}, mean of 3 x 64 in a row: ours {before * 1e3:.2f} ms before "
-              f"and {after * 1e3:.2f} after llama.cpp's llama-bench on the same file, {theirs * 1e3:.2f} ms a token: "
+        threads = f"{eng.threads} thread" + ("s" if eng.threads > 1 else "")
+        print(f"1-token pass, {threads}, mean of 3 x 64 in a row: ours {before * 1e3:.2f} ms before and "
+              f"{after * 1e3:.2f} after llama.cpp's llama-bench on the same file, {theirs * 1e3:.2f} ms a token: "
               f"{(before + after) / 2 / theirs:.2f}x", flush=True)
     eng.stop()
     if args.stall:

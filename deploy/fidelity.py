@@ -144,19 +144,20 @@ def main() -> None:
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
     want = [greedy(reference, ids, args.max_new_tokens) for ids in prompts]
     base = [nll(reference, ids, a) for ids, a in zip(prompts, want)]
-    for method in [m.strip() for m in args.quantize.split(",") if m.strip()]:
-        model = quantize.quantize(modeling.load_model(args.target)[0], method)
+
+    def report(label: str, model) -> None:
         got = [greedy(model, ids, args.max_new_tokens) for ids in prompts]
         ratio = torch.tensor([nll(model, ids, a) - b for ids, a, b in zip(prompts, want, base)]).mean().exp().item()
-        print(summary(f"{method} ({quantize.method_of(model)})", want, got, ratio), flush=True)
+        print(summary(label, want, got, ratio), flush=True)
+
+    for method in [m.strip() for m in args.quantize.split(",") if m.strip()]:
+        model = quantize.quantize(modeling.load_model(args.target)[0], method)
+        report(f"{method} ({quantize.method_of(model)})", model)
         del model
     for spec in [r.strip() for r in args.rounded_activations.split(",") if r.strip()]:
         bits, block = (int(v) for v in spec.split("/"))
-        model = round_activations(modeling.load_model(args.target)[0], bits, block)
-        got = [greedy(model, ids, args.max_new_tokens) for ids in prompts]
-        ratio = torch.tensor([nll(model, ids, a) - b for ids, a, b in zip(prompts, want, base)]).mean().exp().item()
-        print(summary(f"{bits}-bit activations per {block} columns (simulated)", want, got, ratio), flush=True)
-        del model
+        report(f"{bits}-bit activations per {block} columns (simulated)",
+               round_activations(modeling.load_model(args.target)[0], bits, block))
     if args.llama_cpp:
         gguf = modeling.gguf_file(args.target)
         if gguf is None:

@@ -310,7 +310,7 @@ class AdaptiveK:
         tried = self.costs.tried
         if 0 not in tried:
             return 0
-        if min(1, self.k_max) not in tried:  # a greedy request learns K = 1 beside a run, at no round's cost
+        if self.k_max >= 1 and 1 not in tried:  # a greedy request learns K = 1 beside a run, at no round's cost
             return self._probe(1)
         speeds = {k: self.speed(k) for k in range(self.k_max + 1)}
         known = {k: s for k, s in speeds.items() if s is not None}

