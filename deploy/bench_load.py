@@ -13,6 +13,14 @@ the end of the window the requests still running are cancelled. Variants:
               many slots as the highest concurrency, every core, through its streaming
               /completion endpoint with the same token ids (its own numerics: its
               outputs are reported, not required to equal ours)
+Every variant's cell at a level sends the same prompts, and the deployment's memory of
+outputs then drafts a repeated prompt's answer from an earlier cell's: a workload of
+repeated requests. With --unseen (and a prompt file larger than the run sends, such as
+deploy/unseen_prompts.txt: 400 chat questions) the drafting variants go first at each
+level and each level starts after the last prompt any earlier level sent, so no drafting
+variant is sent a prompt the deployment has answered before (the target variant, which
+drafts nothing, is sent the same prompts after them); the report counts the drafting
+requests that still repeated a prompt because the set ran out.
 Per cell: aggregate committed tokens/s (every token streamed inside the window, over
 the window), time to first token and inter-token latency (p50, p99), acceptance, mean
 rows per verifier pass, failed requests by status code (a request the window cut is
@@ -52,6 +60,7 @@ VARIANTS = ("target", "fixed", "adaptive", "unbatched")
 class Request:
     """One request of a cell."""
     prompt: int
+    sent: int = 0  # its place in the run's sequence of prompts (past the set's end: a repeat)
     tokens: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # s after the cell started
     started: float = 0.0
@@ -110,8 +119,9 @@ async def llama_request(session, url: str, req: Request, ids: list[int], max_new
 
 
 async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tokens: int, k: int | None,
-               duration_s: float) -> list[Request]:
-    """`streams` closed loops for `duration_s`; the requests still running then are cancelled."""
+               duration_s: float, start: int = 0) -> list[Request]:
+    """`streams` closed loops for `duration_s`, sending the prompts from `start` on; the
+    requests still running then are cancelled."""
     async with contextlib.AsyncExitStack() as stack:
         if address.startswith("http://"):  # llama-server
             import aiohttp
@@ -133,7 +143,8 @@ async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tok
 
         async def loop(stream: int):
             for n in itertools.count():
-                req = Request((stream + n * streams) % len(prompts))
+                sent = start + stream + n * streams
+                req = Request(sent % len(prompts), sent)
                 requests.append(req)
                 await send(req, prompts[req.prompt], t0)
                 if req.error:
@@ -177,12 +188,15 @@ def summarize(requests: list[Request], window_s: float, reference: dict[int, lis
         "same_as_target": sum(r.tokens == reference[r.prompt][:len(r.tokens)] for r in seen),
         "same_as_alone": sum(r.tokens == alone[r.prompt][:len(r.tokens)] for r in seen if r.prompt in alone),
         "checked_alone": sum(r.prompt in alone for r in seen),
+        "prompts_sent": sorted({r.prompt for r in requests}),
     }
 
 
 def markdown(cells: dict, meta: dict) -> str:
     lines = [f"target `{meta['target']}`, draft `{meta['draft']}`, {meta['num_drafters']} drafter(s), "
-             f"K={meta['k']} for `fixed`, {meta['prompts']} prompts cycled over the streams, "
+             f"K={meta['k']} for `fixed`, {meta['prompts']} prompts "
+             + (f"sent in order, each level after the last, the drafting variants first ({meta['repeated']} of their "
+                "requests repeated a prompt), " if meta["unseen"] else "cycled over the streams, ") +
              f"{meta['max_new_tokens']} new tokens per request, greedy, device {meta['device']}", "",
              f"single-stream target alone (`target` at 1): {meta['single_target_tokens_per_s']:.1f} tok/s", "",
              "| streams | variant | tok/s | x single target | of batched target | TTFT p50/p99 ms | "
@@ -238,8 +252,9 @@ def chart(cells: dict, path: Path) -> None:
 
 
 def reference_outputs(target: str, dtype: str, device: str, numerics: str, prompts: list[list[int]],
-                      max_new_tokens: int):
-    """The target's own greedy output per prompt (transformers `generate`)."""
+                      which: list[int], max_new_tokens: int):
+    """The target's own greedy output (transformers `generate`) per prompt, for the
+    prompts at `which`."""
     import torch
 
     from specdec.quantize import quantize
@@ -247,7 +262,8 @@ def reference_outputs(target: str, dtype: str, device: str, numerics: str, promp
     model = quantize(modeling.load_model(target, dtype, device)[0], numerics)
     out = {}
     with torch.inference_mode():
-        for i, ids in enumerate(prompts):
+        for i in which:
+            ids = prompts[i]
             generated = model.generate(torch.tensor([ids], device=device), do_sample=False,
                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                                        max_new_tokens=max_new_tokens)
@@ -273,6 +289,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int8", "none"],
                         help="numerics of every model (auto: as specdec up)")
     parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: add the llama.cpp variant")
+    parser.add_argument("--unseen", action="store_true",
+                        help="no drafting variant is sent a prompt sent before in the run (see above)")
     parser.add_argument("--out", type=Path, default=Path("bench-load-out"))
     return parser
 
@@ -288,7 +306,6 @@ def run(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = modeling.load_tokenizer(args.target)
     prompts = [prompt.encode(tokenizer) for prompt in read_prompts(args.prompts)]
-    reference = reference_outputs(args.target, args.dtype, args.device, args.quantize, prompts, args.max_new_tokens)
     numerics = ["--quantize", args.quantize]
     deployments = {"batched": launch.plan(args.target, args.draft, args.num_drafters, launch.free_port(), args.dtype,
                                           args.device, verifier_flags=numerics, drafter_flags=numerics)}
@@ -300,8 +317,10 @@ def run(args) -> dict:
     for services in deployments.values():
         launch.start(services)
     llama = llama_server(args.llama_cpp, args.target, max(levels), args.max_new_tokens) if args.llama_cpp else None
-    cells: dict[int, dict] = {}
-    alone: dict[str, dict[int, list[int]]] = {v: {} for v in variants}
+    if args.unseen:  # a drafting variant must not be sent what the target variant was (the memory of outputs)
+        variants.sort(key=lambda v: (v == "target", v == "llama.cpp"))
+    sent: dict[int, dict[str, list[Request]]] = {}
+    start = 0  # where the level's prompts start (--unseen: after every earlier level's)
     try:
         for services in deployments.values():
             launch.wait_serving(services, 900)
@@ -309,25 +328,33 @@ def run(args) -> dict:
         if llama is not None:
             address["llama.cpp"] = llama[1]
         for v in variants:  # first calls pay one-off costs: keep them out of the figures
-            asyncio.run(cell(address[v], prompts[:1], 1, 4, ks[v], 2.0))
+            asyncio.run(cell(address[v], prompts[-1:], 1, 4, ks[v], 2.0))
         for streams in levels:
-            cells[streams] = {}
+            sent[streams] = {}
             for v in variants:
-                requests = asyncio.run(cell(address[v], prompts, streams, args.max_new_tokens, ks[v], args.duration))
-                if streams == levels[0]:
-                    alone[v].update({r.prompt: r.tokens for r in requests if r.complete and r.prompt not in alone[v]})
-                cells[streams][v] = summarize(requests, args.duration, reference, alone[v])
-                log.info("%3d streams %-9s %6.1f tok/s, %d failed", streams, v, cells[streams][v]["tokens_per_s"],
-                         cells[streams][v]["failed"])
+                sent[streams][v] = requests = asyncio.run(
+                    cell(address[v], prompts, streams, args.max_new_tokens, ks[v], args.duration, start))
+                log.info("%3d streams %-9s %d requests", streams, v, len(requests))
+            if args.unseen:
+                start = 1 + max(r.sent for requests in sent[streams].values() for r in requests)
     finally:
         for services in deployments.values():
             launch.stop(services)
         if llama is not None:
             llama[0].terminate()
             llama[0].wait()
+    used = sorted({r.prompt for by_variant in sent.values() for requests in by_variant.values() for r in requests})
+    reference = reference_outputs(args.target, args.dtype, args.device, args.quantize, prompts, used,
+                                  args.max_new_tokens)
+    alone = {v: {r.prompt: r.tokens for r in reversed(sent[levels[0]][v]) if r.complete} for v in variants}
+    cells = {streams: {v: summarize(requests, args.duration, reference, alone[v]) for v, requests in by_variant.items()}
+             for streams, by_variant in sent.items()}
     single = cells[levels[0]]["target"]["tokens_per_s"] / levels[0]  # per stream, at the lowest concurrency
     meta = {"target": args.target, "draft": args.draft, "num_drafters": args.num_drafters, "k": args.k,
-            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": args.device,
+            "prompts": len(prompts), "unseen": args.unseen,
+            "repeated": sum(r.sent >= len(prompts) for by_variant in sent.values()
+                            for v, requests in by_variant.items() if v not in ("target", "llama.cpp") for r in requests),
+            "max_new_tokens": args.max_new_tokens, "device": args.device,
             "dtype": args.dtype, "quantize": args.quantize, "single_target_tokens_per_s": single,
             "command": " ".join(sys.argv)}
     args.out.mkdir(parents=True, exist_ok=True)
