@@ -384,3 +384,23 @@ def test_a_match_that_does_not_pay_leaves_the_round_to_the_model():
     for _ in range(4):
         copying.observe_beside(1, 1, None, lookup=True)
     assert copying.choose(8) >= 2 and copying.by_lookup
+
+
+def test_the_target_alone_is_priced_as_if_every_row_ran_it():
+    """16 sessions a pass, most of them speculating at K = 1: their passes hold about 30
+    tokens, so a run's steps take 60 ms a token (its passes, and the drafter beside them
+    on the same cores), though a pass of 16 tokens, every row at K = 0, takes 36 ms.
+    Priced at the runs' 60 ms, K = 1 (alpha 0.37, a 10 ms drafter call) looked 15% faster
+    and kept everyone speculating; priced as every row at K = 0, it is not."""
+    costs = RoundCosts()
+    for _ in range(20):  # every row at K = 0
+        costs.observe_run(8, 8 * 0.036, [BatchPass(rows=16, tokens=16, seconds=0.036)] * 8)
+    for _ in range(40):  # most rows at K = 1
+        costs.observe_run(8, 8 * 0.060, [BatchPass(rows=16, tokens=30, seconds=0.050)] * 8)
+    policy = AdaptiveK(costs, k_max=4, k_start=2, seed=0)
+    for i in range(40):
+        policy.observe(1, int(i % 8 < 3), 0.010, 0.052, BatchPass(rows=16, tokens=30, seconds=0.050))
+    assert costs.plain == pytest.approx(0.060, rel=0.3)  # what the runs measured
+    assert policy.speed(1) > 1.1 / costs.plain  # so K = 1 looked the better ...
+    chosen = [policy.choose() for _ in range(64)]
+    assert chosen.count(0) >= 60, chosen  # ... but K = 0 is (probes aside)
