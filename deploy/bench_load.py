@@ -18,9 +18,10 @@ memory of outputs (it drafts them) and the prompts in the verifier's prefix cach
 workload of repeated requests. With --unseen (and a prompt file larger than the run
 sends, such as deploy/unseen_prompts.txt: 800 chat questions) each cell starts after the
 last prompt any earlier cell sent, so no request finds its prompt or answer there; the
-report counts the requests that still repeated a prompt because the set ran out. (A
-later cell sent the same prompts ran faster for the prefix cache alone: two cells at
-K = 0 on one deployment, 8 to 64 streams, gave 87-91% to the first.)
+report counts the requests that still repeated a prompt because the set ran out. (Sent the
+same prompts, a later cell ran faster: two cells at K = 0 on one deployment, 8 to 64
+streams, gave the first 87-91% of the second, with a time to first token up to 2.4x
+longer; the verifier's prefix cache is what they shared.)
 Per cell: aggregate committed tokens/s (every token streamed inside the window, over
 the window), time to first token and inter-token latency (p50, p99), acceptance, mean
 rows per verifier pass, failed requests by status code (a request the window cut is
