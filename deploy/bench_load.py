@@ -199,8 +199,10 @@ def markdown(cells: dict, meta: dict) -> str:
              + (f"sent in order, each cell after the last ({meta['repeated']} requests repeated a prompt), "
                 if meta["unseen"] else "cycled over the streams, ") +
              f"{meta['max_new_tokens']} new tokens per request, greedy, device {meta['device']}", "",
-             f"single-stream target alone (`target` at 1): {meta['single_target_tokens_per_s']:.1f} tok/s", "",
-             "| streams | variant | tok/s | x single target | of batched target | TTFT p50/p99 ms | "
+             f"the target alone per stream at {meta['lowest']} stream(s): "
+             f"{meta['single_target_tokens_per_s']:.1f} tok/s",
+             "",
+             "| streams | variant | tok/s | x target per stream | of batched target | TTFT p50/p99 ms | "
              "ITL p50/p99 ms | latency p99 s | acceptance | drafts/round | rows/pass | requests (cut) | failed | "
              "same as target | same as alone |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -354,7 +356,7 @@ def run(args) -> dict:
             "repeated": sum(r.sent >= len(prompts) for by_variant in sent.values() for requests in by_variant.values()
                             for r in requests),
             "max_new_tokens": args.max_new_tokens, "device": args.device,
-            "dtype": args.dtype, "quantize": args.quantize, "single_target_tokens_per_s": single,
+            "dtype": args.dtype, "quantize": args.quantize, "single_target_tokens_per_s": single, "lowest": levels[0],
             "command": " ".join(sys.argv)}
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta, "cells": {str(c): v for c, v in cells.items()}}
