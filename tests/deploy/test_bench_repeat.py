@@ -23,6 +23,20 @@ def test_bench_repeat_replays_the_templates_with_the_memory_on_and_off(tiny_pair
     assert "| off, the rest | 4 |" in (out / "bench-repeat.md").read_text()
 
 
+def test_a_control_run_sends_both_of_each_pair_at_k0(tiny_pair, tmp_path):
+    target, draft, _ = tiny_pair
+    out = tmp_path / "out"
+    args = bench_repeat.build_parser().parse_args(
+        ["--target", str(target), "--draft", str(draft), "--requests", "3", "--max-new-tokens", "8", "--control",
+         "--out", str(out)])
+    assert bench_repeat.main_with(args) == 0
+    report = json.loads((out / "bench-repeat.json").read_text())
+    assert report["meta"]["control"]
+    assert all(row["same"] and row["drafted"] == 0 and row["rounds"] == row["tokens"]
+               for row in report["runs"]["on"]["rows"])
+    assert "a control" in (out / "bench-repeat.md").read_text()
+
+
 def test_the_workload_cycles_the_templates_with_a_new_fill_each_pass():
     prompts = bench_repeat.workload(["A {name}", "B {city} {lname}"], 5)
     assert prompts == ["A Alice", "B Lisbon alice", "A Bruno", "B Oslo bruno", "A Chen"]
