@@ -329,6 +329,7 @@ def run(args) -> dict:
         if llama is not None:
             address["llama.cpp"] = llama[1]
         for v in variants:  # first calls pay one-off costs: keep them out of the figures
+            # (with the last prompt, which an --unseen run reaches last, if at all)
             asyncio.run(cell(address[v], prompts[-1:], 1, 4, ks[v], 2.0))
         for streams in levels:
             sent[streams] = {}

@@ -122,8 +122,8 @@ class RoundCosts:
         a run's steps measured while other sessions speculate share their passes with those
         sessions' drafts (and, on shared cores, the CPU with their drafter), and pricing
         K = 0 at that would make speculation look better the more sessions speculate
-        (measured: 16 streams of unseen chat on 2 cores went to K = 1 and 55% of the
-        target alone's throughput)."""
+        (measured: 16 streams of unseen chat on 2 cores settled on K = 1 rounds at 0.37
+        acceptance, far slower than the target alone)."""
         batch_pass = self.batch_pass(max(1.0, self.rows))
         return self.plain if batch_pass is None else min(self.plain, batch_pass)
 
