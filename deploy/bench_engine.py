@@ -1,7 +1,9 @@
 """The batching engine on its own: `python -m deploy.bench_engine`.
 
 1. What a batched pass of the target costs: R rows x n tokens against one row x one
-   token, each row with a ~120-token cache (same process, median of 7 passes each).
+   token, each row with a ~120-token cache (same process, median of 7 passes each); one
+   row of 17 tokens is a lookup round at its largest K (16): what a copied answer can
+   gain at most.
    On a GGUF target, passes of 1, 5 and 9 tokens again on each path of its products the
    build has (AVX-512 VNNI, AVX2: the same bits), side by side.
 2. Batch invariance: each of 8 rows run alone and together; how far their logits move
@@ -231,7 +233,7 @@ def main() -> None:
         seq.sync(0, [(7 * i + j) % 5000 + 100 for j in range(120)])
         eng.forward_now(seq, 1)
         seqs.append(seq)
-    for line in pass_costs(eng, seqs, [(1, 3), (1, 5), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]):
+    for line in pass_costs(eng, seqs, [(1, 3), (1, 5), (1, 9), (1, 17), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]):
         print(line, flush=True)
     if quantize.method_of(model) == "gguf":
         for line in by_path(eng, seqs):

@@ -23,7 +23,7 @@ from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grp
 from orchestrator import discovery
 from orchestrator.admission import Admission
 from orchestrator.autoscale import Autoscaler, Policy
-from orchestrator import openai_api
+from orchestrator import openai_api, warmup
 from orchestrator.openai_api import OpenAIFront
 from specdec.metrics import OrchestratorMetrics
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair
@@ -486,6 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
         help="draft each round's successor while the round is verified (pays when the drafters do not share "
              "the verifier's cores)")
+    add(parser, "--warm-up", env="SPECDEC_WARM_UP", type=bool, default=True,
+        help="before reporting ready, measure what a step of the target alone and rounds of 1 and "
+             "--num-speculative-tokens drafts cost (about 60 tokens on a built-in text), so that the first "
+             "requests do not pay for learning it")
     add(parser, "--lookup-memory-tokens", env="SPECDEC_LOOKUP_MEMORY_TOKENS", type=int, default=1 << 16,
         help="tokens of recent outputs kept for lookup drafts (a request without a match in its own history "
              "drafts from what followed the same tokens in an earlier output; the oldest leave first; 0: off)")
@@ -547,6 +551,10 @@ async def serve(args, on_listen=None) -> None:
                 log.info("drafter %s is compatible with the target %s", replica.address, info.model_name)
             except grpc.aio.AioRpcError as err:
                 log.warning("drafter %s not reachable yet (%s); will retry", replica.address, err.code().name)
+        if args.warm_up:
+            await warmup.measure_costs(servicer.costs, verifiers, pool, tokenizer, set(info.eos_token_ids),
+                                       min(limits.default_k, limits.adaptive_max_k), limits.drafter_timeout_s,
+                                       limits.verifier_timeout_s)
         servicer.ready(tokenizer, verifiers, pool)
         metrics.in_flight.set_function(lambda: len(servicer.in_flight))
         metrics.lookup_memory.set_function(lambda: servicer.memory.held if servicer.memory else 0)

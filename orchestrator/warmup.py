@@ -1,0 +1,91 @@
+"""What rounds cost on this deployment, measured before the first request.
+
+A fresh deployment's K policy knows no cost: its first request would learn them itself,
+a run of the target alone, then a K = 1 probe whose drafter call prefills the prompt on
+a cold drafter (on shared cores, beside the verifier's steps), then a first K = k_start
+round. A short first request pays for all of it (measured on 2 cores: 0.82x the target
+alone over 48 chat tokens, where later requests ran at 1.01x). So the orchestrator
+measures them first, as a server warms up before it reports ready: a run of the target
+alone, then rounds of 1 and of k_start model drafts, on one session of a built-in text.
+The deployment's RoundCosts learn what each cost, and not what their drafts got: the
+warm-up's text is not the workload, whose acceptance still starts from the prior."""
+
+import contextlib
+import logging
+import time
+import uuid
+
+import grpc
+
+from specdec.common.v1 import common_pb2
+from orchestrator.kpolicy import FixedK, RoundCosts
+from orchestrator.pool import DrafterPool
+from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink, speculate
+from orchestrator.verifiers import VerifierPool
+
+log = logging.getLogger("orchestrator")
+
+TEXT = ("A lighthouse keeper writes the weather in a leather book each evening: the wind, the height "
+        "of the waves, the ships that passed, and whether the lamp burned clean through the night.")
+RUN_TOKENS = 24  # steps of the target alone measured, in one run
+ROUNDS = 6  # rounds measured at each K
+
+
+class _Measure(FixedK):
+    """K = k in every round (the model's drafts, never lookup), whose costs go to the
+    deployment's RoundCosts and whose acceptance goes nowhere. The first call of each
+    phase is not measured: a run's first step prefills, a drafter's first call too."""
+
+    def __init__(self, k: int, costs: RoundCosts):
+        super().__init__(k)
+        self.costs, self.calls = costs, 0
+
+    def choose(self, matched: int = 0) -> int:
+        return self.k  # by_lookup stays False: the rounds measure the model's drafts
+
+    def observe_run(self, tokens, seconds, passes) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.costs.observe_run(tokens, seconds, passes)
+
+    def observe(self, k, accepted, draft_s, verify_s, batch_pass=None, lookup=False) -> None:
+        self.calls += 1
+        if self.calls > 1 and k == self.k:  # a round without drafts (no drafter) measured nothing of K
+            self.costs.observe(k, draft_s, verify_s, 0, 0, batch_pass)
+
+
+async def measure_costs(costs: RoundCosts, verifiers: VerifierPool, drafters: DrafterPool, tokenizer,
+                        eos: set[int], k_start: int, drafter_timeout_s: float, verifier_timeout_s: float) -> None:
+    """Fills `costs` with a run of the target alone and rounds of 1 and k_start drafts.
+    A failure leaves the rest to the first requests, as without a warm-up."""
+    session_id = uuid.uuid4().hex
+    stats = Stats()
+    params = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    history = list(tokenizer(TEXT)["input_ids"])
+    deadline = Deadline(60.0)
+    verifier = VerifierLink(verifiers, session_id, history, params, stats, verifier_timeout_s, retry_s=0.0,
+                            deadline=deadline)
+    drafter = DrafterLink(drafters, session_id, params, stats, drafter_timeout_s, deadline=deadline)
+    started = time.monotonic()
+    # The run's first call prefills the text (not measured); the next is steps alone.
+    phases = [(0, 1), (0, RUN_TOKENS)] + [(k, 2 * ROUNDS * (k + 1)) for k in sorted({1, k_start}) if k > 0]
+    policies: dict[int, _Measure] = {}
+    try:
+        for k, tokens in phases:
+            policy = policies.setdefault(k, _Measure(k, costs))
+            rounds = speculate(history, tokens, policy, eos, drafter, verifier, stats)
+            async with contextlib.aclosing(rounds):
+                async for new in rounds:
+                    history.extend(new)
+                    if policy.calls > ROUNDS:
+                        break
+        log.info("warm-up: %d tokens in %.2f s; %s", len(history), time.monotonic() - started, costs.describe())
+    except grpc.aio.AioRpcError as err:
+        log.warning("warm-up stopped (%s %s): the first requests will measure the costs",
+                    err.code().name, err.details())
+    finally:
+        for close in (drafter.close, lambda: verifier.close()):
+            try:
+                await close()
+            except grpc.aio.AioRpcError:
+                pass  # the service's idle timeout releases the session
