@@ -148,7 +148,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
-    parser.add_argument("--templates", type=Path, help="one template a line, with {name}, {city}, {lname}")
+    parser.add_argument("--templates", type=Path,
+                        help="one template a line, with {name}, {city}, {lname}; \\n in a line is a line break")
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--raw", action="store_true", help="send each prompt as plain text, not a chat message")
@@ -166,7 +167,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def main_with(args) -> int:
     templates = list(TEMPLATES) if args.templates is None else [
-        line for line in args.templates.read_text().splitlines() if line.strip()]
+        line.replace("\\n", "\n") for line in args.templates.read_text().splitlines() if line.strip()]
     if not templates or args.requests < 1:
         raise SystemExit("--templates: none given, or --requests < 1")
     args.out.mkdir(parents=True, exist_ok=True)
