@@ -73,17 +73,33 @@ def test_the_memory_drafts_the_continuation_seen_most_often_and_stops_where_the_
     assert memory.match([9, 2], 8) == (1, [3, 4, 7, 6])  # now 7 three times against 5 twice
 
 
+def test_a_long_context_follows_the_answer_that_short_ones_stray_from():
+    # One answer says [1, 2] twice, followed by 3 and then by 4: on 2-grams alone a walk
+    # after [1, 2] takes the latest (4), whichever place in the answer it is at.
+    answer = [10, 11, 12, 13, 1, 2, 3, 20, 21, 22, 23, 1, 2, 4, 30]
+    memory = OutputMemory(max_tokens=100, max_n=2, min_n=1, min_score=0.3, long_n=4)
+    memory.add(answer)
+    assert memory.match([7, 7, 1, 2], 3) == (2, [4, 30])  # no long context held: the 2-grams' latest
+    assert memory.match([10, 11, 12, 13, 1, 2], 5) == (4, [3, 20, 21, 22, 23])  # the answer, sent again
+    assert memory.match([20, 21, 22, 23, 1, 2], 3) == (4, [4, 30])
+    index = LookupIndex(2, 1, memory)
+    index.update([5, 6, 1, 2, 9, 10, 11, 12, 13, 1, 2])  # its own [1, 2] match says 9: the memory's longer context wins
+    assert index.match(3) == [3, 20, 21] and index.from_memory
+
+
 @settings(max_examples=100, deadline=None)
 @given(outputs=st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=12), max_tokens=st.integers(2, 40))
 def test_the_counts_are_those_of_the_outputs_held(outputs, max_tokens):
-    memory = OutputMemory(max_tokens=max_tokens, max_n=3, min_n=1)
+    memory = OutputMemory(max_tokens=max_tokens, max_n=3, min_n=1, long_n=5)
     for tokens in outputs:
         memory.add(tokens)
-        counts = {}
+        counts, long = {}, {}
         for held in memory.outputs.values():
             for end in range(1, len(held)):
-                for n in range(1, min(3, end) + 1):
+                for n in [*range(1, min(3, end) + 1)] + ([5] if end >= 5 else []):
+                    table = long if n == 5 else counts
                     key = tuple(held[end - n:end])
-                    counts.setdefault(key, {})
-                    counts[key][held[end]] = counts[key].get(held[end], 0) + 1
-        assert memory.next == counts and memory.held == sum(map(len, memory.outputs.values())) <= max_tokens
+                    table.setdefault(key, {})
+                    table[key][held[end]] = table[key].get(held[end], 0) + 1
+        assert memory.next == counts and memory.long_next == long
+        assert memory.held == sum(map(len, memory.outputs.values())) <= max_tokens
