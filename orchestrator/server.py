@@ -488,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
              "the verifier's cores)")
     add(parser, "--warm-up", env="SPECDEC_WARM_UP", type=bool, default=True,
         help="before reporting ready, measure what a step of the target alone and rounds of 1 and "
-             "--num-speculative-tokens drafts cost (about 60 tokens on a built-in text), so that the first "
+             "--num-speculative-tokens drafts cost (about 40 tokens after a built-in text), so that the first "
              "requests do not pay for learning it")
     add(parser, "--lookup-memory-tokens", env="SPECDEC_LOOKUP_MEMORY_TOKENS", type=int, default=1 << 16,
         help="tokens of recent outputs kept for lookup drafts (a request without a match in its own history "
