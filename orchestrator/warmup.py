@@ -33,8 +33,8 @@ ROUNDS = 6  # rounds measured at each K
 
 class _Measure(FixedK):
     """K = k in every round (the model's drafts, never lookup), whose costs go to the
-    deployment's RoundCosts and whose acceptance goes nowhere. The first call of each
-    phase is not measured: a run's first step prefills, a drafter's first call too."""
+    deployment's RoundCosts and whose acceptance goes nowhere. The first call at each K
+    is not measured: the run's first step prefills, and so does a drafter's first call."""
 
     def __init__(self, k: int, costs: RoundCosts):
         super().__init__(k)
