@@ -26,6 +26,7 @@ verifier call (Decode), with no call per token. Its price is what runs measured 
 token, so speculation must beat the target alone as the deployment serves it; or the
 pass of one token per row where that is less (RoundCosts.step)."""
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -34,6 +35,9 @@ from specdec.verifier.v1.verifier_pb2 import BatchPass  # a verifier pass as the
 # The most steps one run of the target alone decodes: a call's timeout covers its run,
 # and between runs the policy looks again.
 RUN_MAX = 32
+# The most of the target alone's time that probes beside its runs may take (AdaptiveK):
+# where the drafter shares the verifier's cores, each probe slows the run it is beside.
+PROBE_SHARE = 0.02
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -99,6 +103,11 @@ class RoundCosts:
         # How many times `probe_every` rounds a probe waits while probes find the target
         # alone best (AdaptiveK): the deployment's, so that a new request starts from it.
         self.backoff = 1
+        # A run's seconds per step after its first token, without a probe beside it; and
+        # the seconds a probe beside a run added to its steps (running averages).
+        self.run_step: float | None = None
+        self.probe_cost: float | None = None
+        self.probes_measured = 0
 
     @property
     def lookup_alpha(self) -> float:
@@ -112,8 +121,9 @@ class RoundCosts:
         passes = ", ".join(f"{t}: {s * 1e3:.0f}" for t, s in sorted(self.batch_pass.at.items()))
         drafts = ", ".join(f"{k}: {s * 1e3:.0f}" for k, s in sorted(self.draft.at.items()))
         plain = "?" if self.plain is None else f"{self.plain * 1e3:.0f}"
+        probe = "?" if self.probe_cost is None else f"{self.probe_cost * 1e3:.0f}"
         return (f"alpha {self.alpha:.2f}, rows {self.rows:.1f}, call beyond pass {self.overhead * 1e3:.0f} ms, "
-                f"target alone {plain} ms per token, "
+                f"target alone {plain} ms per token, a probe beside a run {probe} ms, "
                 f"pass ms by tokens {{{passes}}}, drafter call ms by K {{{drafts}}}")
 
     def step(self) -> float:
@@ -161,11 +171,26 @@ class RoundCosts:
         self.rows = 0.9 * self.rows + 0.1 * batch_pass.rows
         self.overhead = 0.9 * self.overhead + 0.1 * max(0.0, verify_s - batch_pass.seconds)
 
-    def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass]) -> None:
-        """A run of the target alone: `tokens` steps in `seconds`, through `passes`."""
+    def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass], steps_s: float | None = None,
+                    probed: bool = False) -> None:
+        """A run of the target alone: `tokens` steps in `seconds`, through `passes`;
+        `steps_s` of them after its first token, with the drafter probed beside it or not.
+        A probed run's steps beyond an unprobed one's are what its probe cost."""
         self.tried.add(0)
         per_token = seconds / tokens
         self.plain = per_token if self.plain is None else 0.9 * self.plain + 0.1 * per_token
+        if steps_s is not None and tokens > 1:
+            if not probed:
+                per_step = steps_s / (tokens - 1)
+                self.run_step = per_step if self.run_step is None else 0.9 * self.run_step + 0.1 * per_step
+            elif self.run_step is not None:
+                # One probe's cost swings with whether the drafter got the cores before the
+                # run ended (measured on 2 cores: 0 to 37 ms): the mean of the first few, then
+                # a running average.
+                extra = max(0.0, steps_s - (tokens - 1) * self.run_step)
+                self.probes_measured += 1
+                weight = max(0.2, 1 / self.probes_measured)
+                self.probe_cost = extra if self.probe_cost is None else (1 - weight) * self.probe_cost + weight * extra
         for batch_pass in passes:
             if batch_pass.rows >= 1:
                 self.batch_pass.add(batch_pass.tokens, batch_pass.seconds)
@@ -194,7 +219,8 @@ class FixedK:
     def beside_run(self) -> int:
         return 0
 
-    def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass]) -> None:
+    def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass], steps_s: float | None = None,
+                    probed: bool = False) -> None:
         pass
 
     def observe_beside(self, k: int, accepted: int, draft_s: float | None, lookup: bool = False) -> None:
@@ -221,7 +247,9 @@ class AdaptiveK:
     With `probes_beside_runs` (greedy requests), a probe made while the target alone is
     best is no round: its drafts are asked for beside the next run, and the run's tokens
     say how many a round would have accepted (a greedy round accepts a draft iff it is the
-    target's choice). The run goes on at its speed; the drafter's time is off its path.
+    target's choice). The drafter's time is off the run's path, but a drafter on the
+    verifier's cores slows the run's steps: runs measure by how much, and probes wait long
+    enough to take at most PROBE_SHARE of the target alone's time.
     Their runs also check, token by token, the next token of any lookup match against the
     target's, so their lookup acceptance is their own before a lookup round is tried.
 
@@ -356,7 +384,14 @@ class AdaptiveK:
     def probe_period(self) -> int:
         # Probes cost every session of a pass (a late row holds the pass back); the costs are
         # shared, so with R rows per pass one probe in R rounds per session keeps them current.
-        return self.probe_every * max(1, round(self.costs.rows)) * self.costs.backoff
+        period = self.probe_every * self.costs.backoff
+        if self.probes_beside_runs and self.costs.probe_cost and self.costs.run_step:
+            # A probe beside a run slows that run's steps (and those of the rows it shares
+            # passes with) where the drafter shares the verifier's cores: probes wait long
+            # enough that they take at most PROBE_SHARE of the time (measured on 2 cores: a
+            # probe that prefilled a 28-token history cost a 16-step run 37 ms, 40%).
+            period = max(period, math.ceil(self.costs.probe_cost / (PROBE_SHARE * self.costs.run_step)))
+        return period * max(1, round(self.costs.rows))
 
     def run_length(self, budget: int) -> int:
         """Steps of the target alone in one call after choose() said K = 0: up to the
@@ -364,9 +399,10 @@ class AdaptiveK:
         period = self.probe_period()
         return max(1, min(budget, RUN_MAX, period - self.rounds % period))
 
-    def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass]) -> None:
+    def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass], steps_s: float | None = None,
+                    probed: bool = False) -> None:
         self.rounds += tokens - 1  # choose() counted the first
-        self.costs.observe_run(tokens, seconds, passes)
+        self.costs.observe_run(tokens, seconds, passes, steps_s, probed)
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
                 batch_pass: BatchPass | None = None, lookup: bool = False) -> None:

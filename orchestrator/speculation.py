@@ -393,8 +393,8 @@ class _Lookahead:
 
 
 class _BesideRun:
-    """A probe that costs a run of the target alone nothing: k model drafts asked for as
-    the run starts, checked against the run's tokens once it ends. In a greedy request
+    """A probe that needs no round: k model drafts asked for as a run of the target alone
+    starts, checked against the run's tokens once it ends. In a greedy request
     those are the target's choices, and a round accepts a draft iff it is the target's
     choice: the run tells how many of the drafts a round would have accepted."""
 
@@ -429,12 +429,14 @@ class _BesideRun:
 
 
 async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], history: list[int],
-                     verifier: VerifierLink, stats: Stats, trace_context) -> AsyncIterator[int]:
+                     verifier: VerifierLink, stats: Stats, trace_context, probed: bool = False
+                     ) -> AsyncIterator[int]:
     """Up to `policy.run_length(budget)` tokens of the target alone, each yielded as it
-    comes (the caller appends it to `history`); each counts as a round without drafts."""
+    comes (the caller appends it to `history`); each counts as a round without drafts.
+    `probed`: the drafter works beside this run (what it costs the run's steps is measured)."""
     span = tracing.tracer.start_span("decode", context=trace_context)
     steps = verifier.decode(list(history), policy.run_length(budget), eos)
-    started = last = time.perf_counter()
+    started = last = first = time.perf_counter()
     tokens, passes = 0, []
     try:
         while True:
@@ -448,6 +450,8 @@ async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], his
                 otel_context.detach(attached)
             now = time.perf_counter()
             tokens += 1
+            if tokens == 1:
+                first = now  # the steps after it are the run's own (the first also opens the call)
             passes.append(batch_pass)
             stats.observe_pass(batch_pass)
             stats.verify_s += now - last
@@ -461,7 +465,7 @@ async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], his
         span.set_attribute("tokens", tokens)
         span.end()
         if tokens:
-            policy.observe_run(tokens, last - started, passes)
+            policy.observe_run(tokens, last - started, passes, steps_s=last - first, probed=probed)
 
 
 async def speculate(
@@ -587,9 +591,10 @@ async def _target_alone(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifi
                         history: list[int], by_lookup: list[int], budget: int, eos: set[int], stats: Stats,
                         trace_context) -> AsyncIterator[int]:
     """A run of the target alone (one verifier call for its steps): appends each token to
-    `history`, then yields it. It stops early where a lookup round would pay. Beside it,
-    at no cost to its steps: a probe of the drafter when the policy asks for one, and in
-    a greedy request a check of each token against the lookup's next one (what a lookup
+    `history`, then yields it. It stops early where a lookup round would pay. Beside it:
+    a probe of the drafter when the policy asks for one (off the steps' path, but a
+    drafter on the verifier's cores slows them: the run measures by how much), and in a
+    greedy request a check of each token against the lookup's next one (what a lookup
     round's first draft there would have got)."""
     probe_k = policy.beside_run()
     beside = _BesideRun(drafter, history, probe_k) if probe_k else None
@@ -597,7 +602,7 @@ async def _target_alone(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifi
     expected = by_lookup[:1] if check else []
     try:
         async with contextlib.aclosing(_plain_run(policy, budget, eos, history, verifier, stats,
-                                                  trace_context)) as run:
+                                                  trace_context, probed=beside is not None)) as run:
             async for token in run:
                 if expected:
                     policy.observe_beside(1, int(token == expected[0]), None, lookup=True)

@@ -6,9 +6,11 @@ a cold drafter (on shared cores, beside the verifier's steps), then a first K = 
 round. A short first request pays for all of it (measured on 2 cores: 0.82x the target
 alone over 48 chat tokens, where later requests ran at 1.01x). So the orchestrator
 measures them first, as a server warms up before it reports ready: a run of the target
-alone, then rounds of 1 and of k_start model drafts, on one session of a built-in text.
-The deployment's RoundCosts learn what each cost, and not what their drafts got: the
-warm-up's text is not the workload, whose acceptance still starts from the prior."""
+alone, runs with a probe of the drafter beside them (what a probe costs a run where the
+drafter shares the verifier's cores), then rounds of 1 and of k_start model drafts, on
+one session of a built-in text. The deployment's RoundCosts learn what each cost, and
+not what their drafts got: the warm-up's text is not the workload, whose acceptance
+still starts from the prior."""
 
 import contextlib
 import logging
@@ -39,14 +41,18 @@ class _Measure(FixedK):
     def __init__(self, k: int, costs: RoundCosts):
         super().__init__(k)
         self.costs, self.calls = costs, 0
+        self.probe_k = 0  # drafts to ask for beside each run
 
     def choose(self, matched: int = 0) -> int:
         return self.k  # by_lookup stays False: the rounds measure the model's drafts
 
-    def observe_run(self, tokens, seconds, passes) -> None:
+    def beside_run(self) -> int:
+        return self.probe_k
+
+    def observe_run(self, tokens, seconds, passes, steps_s=None, probed=False) -> None:
         self.calls += 1
         if self.calls > 1:
-            self.costs.observe_run(tokens, seconds, passes)
+            self.costs.observe_run(tokens, seconds, passes, steps_s, probed)
 
     def observe(self, k, accepted, draft_s, verify_s, batch_pass=None, lookup=False) -> None:
         self.calls += 1
@@ -67,12 +73,17 @@ async def measure_costs(costs: RoundCosts, verifiers: VerifierPool, drafters: Dr
                             deadline=deadline)
     drafter = DrafterLink(drafters, session_id, params, stats, drafter_timeout_s, deadline=deadline)
     started = time.monotonic()
-    # The run's first call prefills the text (not measured); the next is steps alone.
-    phases = [(0, 1), (0, RUN_TOKENS)] + [(k, 2 * ROUNDS * (k + 1)) for k in sorted({1, k_start}) if k > 0]
+    # (K, tokens, drafts asked for beside a run). The run's first call prefills the text
+    # (not measured); the next is steps alone, then two runs of steps with a probe of one
+    # draft beside them: the first probe's drafter call prefills the text and the run so
+    # far, as a request's first does, the second catches up on the run since.
+    phases = [(0, 1, 0), (0, RUN_TOKENS, 0), (0, RUN_TOKENS, 1), (0, RUN_TOKENS, 1)]
+    phases += [(k, 2 * ROUNDS * (k + 1), 0) for k in sorted({1, k_start}) if k > 0]
     policies: dict[int, _Measure] = {}
     try:
-        for k, tokens in phases:
+        for k, tokens, probe_k in phases:
             policy = policies.setdefault(k, _Measure(k, costs))
+            policy.probe_k = probe_k
             rounds = speculate(history, tokens, policy, eos, drafter, verifier, stats)
             async with contextlib.aclosing(rounds):
                 async for new in rounds:

@@ -1,6 +1,7 @@
 """The orchestrator's warm-up against the tiny pair's real services: it fills the
-deployment's costs (a run of the target alone, rounds of 1 and k_start drafts) and none
-of their acceptance, closes its sessions, and a fresh request then needs no probe."""
+deployment's costs (runs of the target alone with and without a probe beside them,
+rounds of 1 and k_start drafts) and none of their acceptance, closes its sessions, and
+a fresh request then needs no probe."""
 
 import asyncio
 
@@ -39,6 +40,9 @@ def test_the_warm_up_measures_costs_and_no_acceptance(tiny_cluster, tiny_pair):
 
     assert costs.tried == {0, 1, K_START}
     assert costs.plain is not None and costs.plain > 0
+    # A run without a probe and one with a probe beside it: what a probe costs a run.
+    assert costs.run_step is not None and costs.run_step > 0
+    assert costs.probe_cost is not None and costs.probe_cost >= 0
     assert {1, K_START} <= set(costs.draft.at) and all(s > 0 for k, s in costs.draft.at.items() if k)
     assert {1, 2, K_START + 1} <= set(costs.batch_pass.at)
     # Its drafts' acceptance is the warm-up text's, not the workload's: the prior stays.
@@ -67,6 +71,6 @@ def test_the_warm_up_with_a_lookup_drafter_measures_the_model_rounds_it_can(tiny
     target_dir, _, _ = tiny_pair
     costs = RoundCosts()
     asyncio.run(warm(tiny_cluster, target_dir, "ngram-drafter", costs))
-    assert costs.tried == {0} and costs.plain is not None
+    assert costs.tried == {0} and costs.plain is not None and costs.probe_cost is not None
     assert set(costs.draft.at) == {0}  # only the curve's own starting point
     assert (costs.accepted, costs.tested) == (0.5, 1.0)

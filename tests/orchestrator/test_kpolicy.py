@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from orchestrator.kpolicy import RUN_MAX, AdaptiveK, FixedK, RoundCosts, expected_tokens
+from orchestrator.kpolicy import PROBE_SHARE, RUN_MAX, AdaptiveK, FixedK, RoundCosts, expected_tokens
 from specdec.verifier.v1.verifier_pb2 import BatchPass
 
 
@@ -241,9 +241,10 @@ def test_lookup_rounds_that_fail_fall_back_to_the_target_alone():
     assert not policy.lookup_pays(8)
 
 
-def greedy_request(costs: RoundCosts, alpha: float, rng: random.Random, tokens: int = 600):
-    """One greedy request on a CPU-like curve. -> (K chosen each round, and for each probe
-    beside a run the round it was asked for at)"""
+def greedy_request(costs: RoundCosts, alpha: float, rng: random.Random, tokens: int = 600, probe_s: float = 0.0):
+    """One greedy request on a CPU-like curve, where a probe beside a run adds `probe_s`
+    to the run's steps. -> (K chosen each round, and for each probe beside a run the
+    round it was asked for at)"""
     step, call = 0.017, 0.005
     policy = AdaptiveK(costs, k_max=4, k_start=4, seed=0, probes_beside_runs=True)
     ks, besides, done = [], [], 0
@@ -252,7 +253,9 @@ def greedy_request(costs: RoundCosts, alpha: float, rng: random.Random, tokens: 
         ks.append(k)
         if k == 0:
             probe_k, n = policy.beside_run(), policy.run_length(tokens - done)
-            policy.observe_run(n, n * step, [BatchPass(rows=1, tokens=1, seconds=step)] * n)
+            steps_s = (n - 1) * step + (probe_s if probe_k else 0.0)
+            policy.observe_run(n, n * step + steps_s - (n - 1) * step, [BatchPass(rows=1, tokens=1, seconds=step)] * n,
+                               steps_s=steps_s, probed=bool(probe_k))
             if probe_k:
                 besides.append(len(ks) - 1)
                 accepted = 0
@@ -296,6 +299,49 @@ def test_a_new_request_starts_from_the_deployments_probe_wait():
     assert ks == [0, 0] and besides == []  # one run to 32 (RUN_MAX), one to the end
     greedy_request(costs, 0.95, rng)  # drafts that pass turn speculation on
     assert costs.backoff == 1
+
+
+def test_runs_measure_what_a_probe_beside_them_costs():
+    """A probed run's steps (after its first token) beyond an unprobed run's are the
+    probe's cost: none known before an unprobed run, never below 0."""
+    costs, step = RoundCosts(), 0.005
+    costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.037, probed=True)
+    assert costs.probe_cost is None and costs.run_step is None
+    costs.observe_run(16, 16 * step + 0.004, [], steps_s=15 * step)
+    costs.observe_run(1, 0.009, [], steps_s=0.0)  # a one-token run has no steps after its first
+    assert costs.run_step == pytest.approx(step)
+    costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.037, probed=True)
+    assert costs.probe_cost == pytest.approx(0.037)
+    assert costs.run_step == pytest.approx(step)  # probed runs are not the unprobed step
+    costs.observe_run(16, 16 * step, [], steps_s=14 * step, probed=True)  # faster: noise, not a gain
+    assert costs.probe_cost == pytest.approx(0.037 / 2)  # the mean of the first few
+    for _ in range(20):
+        costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.010, probed=True)
+    assert costs.probe_cost == pytest.approx(0.010, rel=0.01)  # then a running average
+
+
+def test_probes_beside_runs_wait_until_they_take_a_small_share_of_the_runs():
+    """Where the drafter shares the verifier's cores, a probe slows the run beside it
+    (measured on 2 cores: 37 ms over a 16-step run of 5.5 ms steps). Probes then come no
+    more often than to take PROBE_SHARE of the target alone's time, so a short request
+    after the warm-up makes none; where they cost nothing, every `probe_every` rounds."""
+    step = 0.017
+    for probe_s, period in ((0.0, 16), (2 * step, round(2 / PROBE_SHARE))):
+        costs, rng = RoundCosts(alpha_prior=0.2), random.Random(0)
+        costs.observe_run(24, 24 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 24, steps_s=23 * step)
+        costs.observe_run(24, 24 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 24,
+                          steps_s=23 * step + probe_s, probed=True)
+        costs.observe(1, 0.1 * step, 1.1 * step + 0.005, 0, 0, BatchPass(rows=1, tokens=2, seconds=1.1 * step))
+        policy = AdaptiveK(costs, k_max=4, k_start=4, probes_beside_runs=True)
+        assert period <= policy.probe_period() <= period + 1  # (rounded up)
+        period = policy.probe_period()
+        ks, besides = greedy_request(costs, 0.2, rng, tokens=48, probe_s=probe_s)
+        # Free probes: at rounds 16 and 32 (where the first found the target alone best, the wait doubled).
+        assert max(ks) == 0 and besides == ([] if probe_s else [1, 2])
+        costs.rows = 4.0  # a probe slows every row of the passes it shares
+        assert policy.probe_period() == 4 * period * (1 if probe_s else costs.backoff)
+        # Rounds that probe (a request that samples) are priced by what the rounds measure.
+        assert AdaptiveK(costs, k_max=4, k_start=4).probe_period() == 4 * 16 * costs.backoff
 
 
 def test_a_lookup_round_does_not_stand_in_for_the_models_first_round():

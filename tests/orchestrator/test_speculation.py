@@ -75,6 +75,7 @@ class Cycle:
     def __init__(self, ks, beside=0, run=None):
         self.ks, self.round, self.k_max = ks, 0, max(ks)
         self.runs = []  # tokens of each run of the target alone
+        self.probed = []  # and whether a probe went beside it
         self.beside, self.run = beside, run  # drafts asked for beside each run; its fixed length
         self.besides = []  # (k, accepted) of each probe beside a run
 
@@ -99,8 +100,10 @@ class Cycle:
     def beside_run(self):
         return self.beside
 
-    def observe_run(self, tokens, seconds, passes):
+    def observe_run(self, tokens, seconds, passes, steps_s=None, probed=False):
+        assert 0 <= steps_s <= seconds  # the steps after the first token
         self.runs.append(tokens)
+        self.probed.append(probed)
 
     def observe_beside(self, k, accepted, draft_s, lookup=False):
         self.besides.append((k, accepted, lookup) if lookup else (k, accepted))
@@ -174,6 +177,10 @@ def test_probes_beside_runs_learn_what_rounds_would_have_accepted():
     assert policy.besides == [(2, would_accept(history[:n], 2)) for n in starts]
     assert stats.probes_beside_runs == 15 == drafter.calls
     assert {0, 1} <= {a for _, a in policy.besides}  # drafts missed, and drafts a round would have kept
+    assert policy.probed == [True] * 15  # the policy learns what its runs' probes cost them
+    unprobed = Cycle([0], run=4)
+    run(prompt, 8, unprobed)
+    assert unprobed.probed == [False, False]
 
 
 class SlowDrafter(FakeDrafter):
