@@ -254,7 +254,7 @@ def greedy_request(costs: RoundCosts, alpha: float, rng: random.Random, tokens: 
         if k == 0:
             probe_k, n = policy.beside_run(), policy.run_length(tokens - done)
             steps_s = (n - 1) * step + (probe_s if probe_k else 0.0)
-            policy.observe_run(n, n * step + steps_s - (n - 1) * step, [BatchPass(rows=1, tokens=1, seconds=step)] * n,
+            policy.observe_run(n, step + steps_s, [BatchPass(rows=1, tokens=1, seconds=step)] * n,
                                steps_s=steps_s, probed=bool(probe_k))
             if probe_k:
                 besides.append(len(ks) - 1)
