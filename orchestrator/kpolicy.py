@@ -104,7 +104,7 @@ class RoundCosts:
         # alone best (AdaptiveK): the deployment's, so that a new request starts from it.
         self.backoff = 1
         # A run's seconds per step after its first token, without a probe beside it; and
-        # the seconds a probe beside a run added to its steps (running averages).
+        # the seconds a probe that answered beside a run added to its steps (running averages).
         self.run_step: float | None = None
         self.probe_cost: float | None = None
         self.probes_measured = 0
@@ -172,10 +172,14 @@ class RoundCosts:
         self.overhead = 0.9 * self.overhead + 0.1 * max(0.0, verify_s - batch_pass.seconds)
 
     def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass], steps_s: float | None = None,
-                    probed: bool = False) -> None:
+                    probed: bool = False, answered: bool = False) -> None:
         """A run of the target alone: `tokens` steps in `seconds`, through `passes`;
-        `steps_s` of them after its first token, with the drafter probed beside it or not.
-        A probed run's steps beyond an unprobed one's are what its probe cost."""
+        `steps_s` of them after its first token, with the drafter probed beside it or not,
+        and whether the probe answered before the run ended. The steps of a run whose probe
+        answered, beyond an unprobed run's, are what a probe costs. A probe still working
+        at the run's end measures nothing: its drafter step in flight finishes after the
+        run, on whatever comes next (measured on 2 cores: such runs lost 0-3 ms, where a
+        probe that answered cost its run 37 ms)."""
         self.tried.add(0)
         per_token = seconds / tokens
         self.plain = per_token if self.plain is None else 0.9 * self.plain + 0.1 * per_token
@@ -183,10 +187,8 @@ class RoundCosts:
             if not probed:
                 per_step = steps_s / (tokens - 1)
                 self.run_step = per_step if self.run_step is None else 0.9 * self.run_step + 0.1 * per_step
-            elif self.run_step is not None:
-                # One probe's cost swings with whether the drafter got the cores before the
-                # run ended (measured on 2 cores: 0 to 37 ms): the mean of the first few, then
-                # a running average.
+            elif answered and self.run_step is not None:
+                # The first few probes' mean, then a running average: each is noisy.
                 extra = max(0.0, steps_s - (tokens - 1) * self.run_step)
                 self.probes_measured += 1
                 weight = max(0.2, 1 / self.probes_measured)
@@ -220,7 +222,7 @@ class FixedK:
         return 0
 
     def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass], steps_s: float | None = None,
-                    probed: bool = False) -> None:
+                    probed: bool = False, answered: bool = False) -> None:
         pass
 
     def observe_beside(self, k: int, accepted: int, draft_s: float | None, lookup: bool = False) -> None:
@@ -385,12 +387,17 @@ class AdaptiveK:
         # Probes cost every session of a pass (a late row holds the pass back); the costs are
         # shared, so with R rows per pass one probe in R rounds per session keeps them current.
         period = self.probe_every * self.costs.backoff
-        if self.probes_beside_runs and self.costs.probe_cost and self.costs.run_step:
+        if self.probes_beside_runs and self.costs.run_step:
             # A probe beside a run slows that run's steps (and those of the rows it shares
             # passes with) where the drafter shares the verifier's cores: probes wait long
             # enough that they take at most PROBE_SHARE of the time (measured on 2 cores: a
-            # probe that prefilled a 28-token history cost a 16-step run 37 ms, 40%).
-            period = max(period, math.ceil(self.costs.probe_cost / (PROBE_SHARE * self.costs.run_step)))
+            # probe that prefilled a 28-token history cost a 16-step run 37 ms, 40%). Until a
+            # probe has answered beside a run, one is priced at a drafter call of one draft:
+            # the CPU it would take from the steps. Probes that the runs outlast say nothing
+            # of their cost (on 2 cores, a warm-up whose probes did not answer measured 0 ms).
+            cost = self.costs.probe_cost if self.costs.probe_cost is not None else self.costs.draft(1)
+            if cost:
+                period = max(period, math.ceil(cost / (PROBE_SHARE * self.costs.run_step)))
         return period * max(1, round(self.costs.rows))
 
     def run_length(self, budget: int) -> int:
@@ -400,9 +407,9 @@ class AdaptiveK:
         return max(1, min(budget, RUN_MAX, period - self.rounds % period))
 
     def observe_run(self, tokens: int, seconds: float, passes: list[BatchPass], steps_s: float | None = None,
-                    probed: bool = False) -> None:
+                    probed: bool = False, answered: bool = False) -> None:
         self.rounds += tokens - 1  # choose() counted the first
-        self.costs.observe_run(tokens, seconds, passes, steps_s, probed)
+        self.costs.observe_run(tokens, seconds, passes, steps_s, probed, answered)
 
     def observe(self, k: int, accepted: int, draft_s: float | None, verify_s: float,
                 batch_pass: BatchPass | None = None, lookup: bool = False) -> None:

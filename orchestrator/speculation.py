@@ -400,13 +400,18 @@ class _BesideRun:
 
     def __init__(self, drafter: DrafterLink, history: list[int], k: int):
         self.start = len(history)
+        self.done_at: float | None = None  # when the drafter answered
         self.task = asyncio.ensure_future(self._propose(drafter, list(history), k))
 
-    @staticmethod
-    async def _propose(drafter: DrafterLink, history: list[int], k: int) -> tuple[list[int], float]:
+    async def _propose(self, drafter: DrafterLink, history: list[int], k: int) -> tuple[list[int], float]:
         started = time.perf_counter()
         drafts, _ = await drafter.propose(history, k)
-        return drafts, time.perf_counter() - started
+        self.done_at = time.perf_counter()
+        return drafts, self.done_at - started
+
+    def answered(self, by: float) -> bool:
+        """Whether the drafter had answered by time `by` (perf_counter)."""
+        return self.done_at is not None and self.done_at <= by
 
     async def settle(self, history: list[int], policy: FixedK | AdaptiveK, stats: Stats) -> None:
         """After the run: the policy learns what the drafts would have got, if the drafter
@@ -429,11 +434,12 @@ class _BesideRun:
 
 
 async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], history: list[int],
-                     verifier: VerifierLink, stats: Stats, trace_context, probed: bool = False
+                     verifier: VerifierLink, stats: Stats, trace_context, beside: "_BesideRun | None" = None
                      ) -> AsyncIterator[int]:
     """Up to `policy.run_length(budget)` tokens of the target alone, each yielded as it
     comes (the caller appends it to `history`); each counts as a round without drafts.
-    `probed`: the drafter works beside this run (what it costs the run's steps is measured)."""
+    `beside`: a probe of the drafter beside this run (what it costs the run's steps is
+    measured, where it answers before the run ends)."""
     span = tracing.tracer.start_span("decode", context=trace_context)
     steps = verifier.decode(list(history), policy.run_length(budget), eos)
     started = last = first = time.perf_counter()
@@ -465,7 +471,8 @@ async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], his
         span.set_attribute("tokens", tokens)
         span.end()
         if tokens:
-            policy.observe_run(tokens, last - started, passes, steps_s=last - first, probed=probed)
+            policy.observe_run(tokens, last - started, passes, steps_s=last - first, probed=beside is not None,
+                               answered=beside is not None and beside.answered(last))
 
 
 async def speculate(
@@ -602,7 +609,7 @@ async def _target_alone(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifi
     expected = by_lookup[:1] if check else []
     try:
         async with contextlib.aclosing(_plain_run(policy, budget, eos, history, verifier, stats,
-                                                  trace_context, probed=beside is not None)) as run:
+                                                  trace_context, beside)) as run:
             async for token in run:
                 if expected:
                     policy.observe_beside(1, int(token == expected[0]), None, lookup=True)

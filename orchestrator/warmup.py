@@ -49,10 +49,10 @@ class _Measure(FixedK):
     def beside_run(self) -> int:
         return self.probe_k
 
-    def observe_run(self, tokens, seconds, passes, steps_s=None, probed=False) -> None:
+    def observe_run(self, tokens, seconds, passes, steps_s=None, probed=False, answered=False) -> None:
         self.calls += 1
         if self.calls > 1:
-            self.costs.observe_run(tokens, seconds, passes, steps_s, probed)
+            self.costs.observe_run(tokens, seconds, passes, steps_s, probed, answered)
 
     def observe(self, k, accepted, draft_s, verify_s, batch_pass=None, lookup=False) -> None:
         self.calls += 1

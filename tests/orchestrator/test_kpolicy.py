@@ -1,5 +1,6 @@
 """The per-round K choice, against costs and acceptance it is fed (no services)."""
 
+import math
 import random
 
 import pytest
@@ -255,7 +256,7 @@ def greedy_request(costs: RoundCosts, alpha: float, rng: random.Random, tokens: 
             probe_k, n = policy.beside_run(), policy.run_length(tokens - done)
             steps_s = (n - 1) * step + (probe_s if probe_k else 0.0)
             policy.observe_run(n, step + steps_s, [BatchPass(rows=1, tokens=1, seconds=step)] * n,
-                               steps_s=steps_s, probed=bool(probe_k))
+                               steps_s=steps_s, probed=bool(probe_k), answered=bool(probe_k))
             if probe_k:
                 besides.append(len(ks) - 1)
                 accepted = 0
@@ -302,21 +303,24 @@ def test_a_new_request_starts_from_the_deployments_probe_wait():
 
 
 def test_runs_measure_what_a_probe_beside_them_costs():
-    """A probed run's steps (after its first token) beyond an unprobed run's are the
-    probe's cost: none known before an unprobed run, never below 0."""
+    """The steps (after its first token) of a run whose probe answered, beyond an
+    unprobed run's, are the probe's cost: none known before an unprobed run, never below
+    0. A run that outlasted its probe measures nothing, nor is it an unprobed run."""
     costs, step = RoundCosts(), 0.005
-    costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.037, probed=True)
+    costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.037, probed=True, answered=True)
     assert costs.probe_cost is None and costs.run_step is None
     costs.observe_run(16, 16 * step + 0.004, [], steps_s=15 * step)
     costs.observe_run(1, 0.009, [], steps_s=0.0)  # a one-token run has no steps after its first
     assert costs.run_step == pytest.approx(step)
-    costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.037, probed=True)
+    costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.002, probed=True)  # the probe did not answer
+    assert costs.probe_cost is None and costs.run_step == pytest.approx(step)
+    costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.037, probed=True, answered=True)
     assert costs.probe_cost == pytest.approx(0.037)
     assert costs.run_step == pytest.approx(step)  # probed runs are not the unprobed step
-    costs.observe_run(16, 16 * step, [], steps_s=14 * step, probed=True)  # faster: noise, not a gain
+    costs.observe_run(16, 16 * step, [], steps_s=14 * step, probed=True, answered=True)  # faster: noise, not a gain
     assert costs.probe_cost == pytest.approx(0.037 / 2)  # the mean of the first few
     for _ in range(20):
-        costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.010, probed=True)
+        costs.observe_run(16, 16 * step, [], steps_s=15 * step + 0.010, probed=True, answered=True)
     assert costs.probe_cost == pytest.approx(0.010, rel=0.01)  # then a running average
 
 
@@ -330,7 +334,7 @@ def test_probes_beside_runs_wait_until_they_take_a_small_share_of_the_runs():
         costs, rng = RoundCosts(alpha_prior=0.2), random.Random(0)
         costs.observe_run(24, 24 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 24, steps_s=23 * step)
         costs.observe_run(24, 24 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 24,
-                          steps_s=23 * step + probe_s, probed=True)
+                          steps_s=23 * step + probe_s, probed=True, answered=True)
         costs.observe(1, 0.1 * step, 1.1 * step + 0.005, 0, 0, BatchPass(rows=1, tokens=2, seconds=1.1 * step))
         policy = AdaptiveK(costs, k_max=4, k_start=4, probes_beside_runs=True)
         assert period <= policy.probe_period() <= period + 1  # (rounded up)
@@ -450,3 +454,28 @@ def test_the_target_alone_is_priced_as_if_every_row_ran_it():
     assert policy.speed(1) > 1.1 / costs.plain  # so K = 1 looked the better ...
     chosen = [policy.choose() for _ in range(64)]
     assert chosen.count(0) >= 60, chosen  # ... but K = 0 is (probes aside)
+
+
+def test_until_a_probe_answers_one_is_priced_at_a_drafter_call():
+    """Probes that their runs outlast say nothing of what a probe costs (on 2 cores, a
+    warm-up whose probes did not answer measured 0 ms, and a fresh request then probed at
+    round 16). Until one answers, a probe beside a run is priced at the drafter's call of
+    one draft: here 10 ms against 5.5 ms steps, one probe in about 90 steps, so a
+    48-token request makes none. One that answers at no cost to its run (a drafter on a
+    node of its own) brings back a probe every `probe_every` rounds."""
+    step, draft = 0.0055, 0.010
+    costs, rng = RoundCosts(alpha_prior=0.2), random.Random(0)
+    costs.observe_run(24, 24 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 24, steps_s=23 * step)
+    for _ in range(2):  # probes still working when their runs ended
+        costs.observe_run(24, 24 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 24, steps_s=23 * step,
+                          probed=True)
+    policy = AdaptiveK(costs, k_max=4, k_start=4, probes_beside_runs=True)
+    assert policy.probe_period() == 16  # no drafter call measured yet: nothing to price a probe by
+    costs.observe(1, draft, 1.1 * step + 0.002, 0, 0, BatchPass(rows=1, tokens=2, seconds=1.1 * step))
+    assert costs.probe_cost is None
+    assert policy.probe_period() == math.ceil(draft / (PROBE_SHARE * step))
+    ks, besides = greedy_request(costs, 0.2, rng, tokens=48)
+    assert max(ks) == 0 and besides == []
+    costs.observe_run(24, 24 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 24, steps_s=23 * step,
+                      probed=True, answered=True)
+    assert costs.probe_cost == 0.0 and policy.probe_period() == 16 * costs.backoff

@@ -76,6 +76,7 @@ class Cycle:
         self.ks, self.round, self.k_max = ks, 0, max(ks)
         self.runs = []  # tokens of each run of the target alone
         self.probed = []  # and whether a probe went beside it
+        self.answered = []  # and answered before the run ended
         self.beside, self.run = beside, run  # drafts asked for beside each run; its fixed length
         self.besides = []  # (k, accepted) of each probe beside a run
 
@@ -100,10 +101,12 @@ class Cycle:
     def beside_run(self):
         return self.beside
 
-    def observe_run(self, tokens, seconds, passes, steps_s=None, probed=False):
+    def observe_run(self, tokens, seconds, passes, steps_s=None, probed=False, answered=False):
         assert 0 <= steps_s <= seconds  # the steps after the first token
+        assert probed or not answered
         self.runs.append(tokens)
         self.probed.append(probed)
+        self.answered.append(answered)
 
     def observe_beside(self, k, accepted, draft_s, lookup=False):
         self.besides.append((k, accepted, lookup) if lookup else (k, accepted))
@@ -177,10 +180,11 @@ def test_probes_beside_runs_learn_what_rounds_would_have_accepted():
     assert policy.besides == [(2, would_accept(history[:n], 2)) for n in starts]
     assert stats.probes_beside_runs == 15 == drafter.calls
     assert {0, 1} <= {a for _, a in policy.besides}  # drafts missed, and drafts a round would have kept
-    assert policy.probed == [True] * 15  # the policy learns what its runs' probes cost them
+    # The policy learns what its runs' probes cost them: each answered within its run.
+    assert policy.probed == policy.answered == [True] * 15
     unprobed = Cycle([0], run=4)
     run(prompt, 8, unprobed)
-    assert unprobed.probed == [False, False]
+    assert unprobed.probed == unprobed.answered == [False, False]
 
 
 class SlowDrafter(FakeDrafter):
@@ -195,6 +199,8 @@ def test_a_probe_the_drafter_answers_after_its_run_is_dropped():
     out, stats, drafter = run(prompt, 20, policy, drafter=SlowDrafter())
     assert out == reference(prompt, 20)
     assert drafter.calls == 5 and policy.besides == [] and stats.probes_beside_runs == 0
+    # Each run had a probe beside it, and none answered: what they cost is not measured.
+    assert policy.probed == [True] * 5 and policy.answered == [False] * 5
 
 
 class CheckingDrafter(FakeDrafter):
