@@ -24,9 +24,10 @@ def test_no_match_proposes_nothing():
     assert NgramProposer().lookup([7], k=4) == []
 
 
-def test_stops_at_the_end_of_the_sequence():
-    # The only match of [3] is followed by the suffix itself: fewer than k tokens.
-    assert NgramProposer(max_n=1).lookup([3, 5, 3], k=4) == [5, 3]
+def test_a_copy_that_reaches_the_end_of_the_sequence_goes_on_from_its_drafts():
+    # The only match of [3] is followed by 5, 3 and the sequence ends: the text it copies
+    # is its own, so the copy goes on (a loop of period 2), k tokens in all.
+    assert NgramProposer(max_n=1).lookup([3, 5, 3], k=4) == [5, 3, 5, 3]
 
 
 def test_propose_appends_drafts_without_probabilities():

@@ -9,8 +9,20 @@ from specdec.lookup import LookupIndex, OutputMemory, suffix_match
 
 def test_suffix_match_takes_the_longest_suffix_and_its_latest_occurrence():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 2, 3]
-    assert suffix_match(tokens, 4, 4, 1) == [7, 2, 3]  # [2, 3] last occurred before 7
+    assert suffix_match(tokens, 3, 4, 1) == [7, 2, 3]  # [2, 3] last occurred before 7
     assert suffix_match(tokens, 4, 4, 3) == []  # no 3-token suffix occurred before
+
+
+def test_a_copy_that_reaches_the_end_copies_its_own_drafts():
+    """A loop drafts as far as asked, not one period of it: after [2, 3], 7 came last, and
+    the copy that follows 7, 2, 3 is 7, 2, 3 again."""
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 2, 3]
+    assert suffix_match(tokens, 8, 4, 1) == [7, 2, 3, 7, 2, 3, 7, 2]
+    loop = [5, 8, 4, 6, 4, 6, 4, 6]  # a greedy loop of period 2
+    assert suffix_match(loop, 5, 4, 3) == [4, 6, 4, 6, 4]
+    index = LookupIndex(4, 3)
+    index.update(loop)
+    assert index.match(5) == [4, 6, 4, 6, 4]
 
 
 @settings(max_examples=200, deadline=None)
