@@ -51,13 +51,19 @@ def expected_tokens(alpha: float, k: int) -> float:
 class _Curve:
     """Running averages of a cost at the points x seen (K, or tokens in a pass): exact
     where seen, linear between neighbours, and beyond the ends the least-squares slope
-    over all points (never negative; flat with one point)."""
+    over all points (never negative; flat with one point). A point is the mean of its
+    first samples, then weighs each new one by 1 - decay: started from its first sample
+    alone, a stall there (a warm-up beside a process still starting) kept two thirds of
+    its weight through the warm-up's five rounds, and a point the policy then avoids is
+    not measured again."""
     decay: float = 0.9
     at: dict[int, float] = field(default_factory=dict)
+    seen: dict[int, int] = field(default_factory=dict)
 
     def add(self, x: int, seconds: float) -> None:
-        old = self.at.get(x)
-        self.at[x] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self.seen[x] = n = self.seen.get(x, 0) + 1
+        old = self.at.get(x, seconds)
+        self.at[x] = old + max(1 - self.decay, 1 / n) * (seconds - old)
 
     def __call__(self, x: float) -> float | None:
         if not self.at:

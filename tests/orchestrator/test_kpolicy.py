@@ -456,6 +456,22 @@ def test_the_target_alone_is_priced_as_if_every_row_ran_it():
     assert chosen.count(0) >= 60, chosen  # ... but K = 0 is (probes aside)
 
 
+def test_a_stall_in_a_costs_first_sample_does_not_outweigh_the_next():
+    """A warm-up on 2 cores measured a pass of 5 tokens at 52 ms where it takes 11 ms (the
+    step 10 ms, not 6: something else was starting), and the deployment hardly drafted
+    after it: a cost started from its first sample and weighed each later one by 0.1, so
+    the stall kept two thirds of its weight through the warm-up's five rounds, and K = 4
+    rounds, priced at it, were not run again to correct it. A cost's first samples now
+    count alike, and later ones still move it."""
+    costs = RoundCosts()
+    for seconds in (0.052, 0.011, 0.011, 0.011, 0.011):
+        costs.observe(4, 0.018, seconds, 0, 0, BatchPass(rows=1, tokens=5, seconds=seconds))
+    assert costs.verify(4) == pytest.approx(0.0192)  # their mean (it was 37.9 ms)
+    for _ in range(30):
+        costs.observe(4, 0.018, 0.011, 0, 0, BatchPass(rows=1, tokens=5, seconds=0.011))
+    assert costs.verify(4) == pytest.approx(0.011, rel=0.05)
+
+
 def test_until_a_probe_answers_one_is_priced_at_a_drafter_call():
     """Probes that their runs outlast say nothing of what a probe costs (on 2 cores, a
     warm-up whose probes did not answer measured 0 ms, and a fresh request then probed at
