@@ -47,6 +47,12 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def _running(old: float | None, sample: float, n: int, weight: float) -> float:
+    """The n-th sample into an average: the mean of the first ones, then a running
+    average that weighs the newest by `weight` (once 1/n falls below it)."""
+    return sample if old is None else old + max(weight, 1 / n) * (sample - old)
+
+
 @dataclass
 class _Curve:
     """Running averages of a cost at the points x seen (K, or tokens in a pass): exact
@@ -62,8 +68,7 @@ class _Curve:
 
     def add(self, x: int, seconds: float) -> None:
         self.seen[x] = n = self.seen.get(x, 0) + 1
-        old = self.at.get(x, seconds)
-        self.at[x] = old + max(1 - self.decay, 1 / n) * (seconds - old)
+        self.at[x] = _running(self.at.get(x), seconds, n, 1 - self.decay)
 
     def __call__(self, x: float) -> float | None:
         if not self.at:
@@ -197,8 +202,7 @@ class RoundCosts:
                 # The first few probes' mean, then a running average: each is noisy.
                 extra = max(0.0, steps_s - (tokens - 1) * self.run_step)
                 self.probes_measured += 1
-                weight = max(0.2, 1 / self.probes_measured)
-                self.probe_cost = extra if self.probe_cost is None else (1 - weight) * self.probe_cost + weight * extra
+                self.probe_cost = _running(self.probe_cost, extra, self.probes_measured, 0.2)
         for batch_pass in passes:
             if batch_pass.rows >= 1:
                 self.batch_pass.add(batch_pass.tokens, batch_pass.seconds)
