@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 .PHONY: install demo test test-slow protos
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml $(wildcard specdec/kernels/*.cpp)
+$(VENV)/.installed: pyproject.toml $(wildcard specdec/kernels/*.cpp specdec/kernels/*.h)
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch pinned: on our build machines pip takes a local CPU wheel (2.13.0+cpu) for it;

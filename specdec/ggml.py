@@ -148,6 +148,30 @@ def replace_norms(model) -> int:
     return replaced
 
 
+class SiLU(torch.nn.Module):
+    """silu in one kernel call (specdec/kernels/activation_cpu.cpp): each value the same
+    bits wherever it lies in a pass, at any thread count, where torch's silu rounds the
+    values its SIMD lanes take and the ones left over differently."""
+
+    def __init__(self):
+        super().__init__()
+        self._silu = _kernels().silu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._silu(x.float()).to(x.dtype)
+
+
+def replace_activations(model) -> int:
+    """Puts SiLU in place of the silu of the model's MLPs (their `act_fn`); -> how many."""
+    replaced = 0
+    if getattr(model.config, "hidden_act", None) == "silu":
+        for module in model.modules():
+            if type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
+                module.act_fn = SiLU()
+                replaced += 1
+    return replaced
+
+
 def fuse(linears: list[GGUFLinear]) -> GGUFLinear | None:
     """Layers that read the same input as one: their block rows stacked (one kernel call).
     The packed groups of 8 rows stack where every layer but the last fills its groups."""

@@ -232,6 +232,7 @@ def quantize(model, method: str):
         for parent in list(model.modules()):
             _share_inputs(parent, ggml.fuse)
         norms = ggml.replace_norms(model)
+        ggml.replace_activations(model)
         held = ggml.arrange(model)
         log.info("%d layers run on the GGUF file's own blocks (%.0f MB, on huge pages where the system gives "
                  "them), %d norms in one kernel each", replaced, held / 1e6, norms)
@@ -242,6 +243,8 @@ def quantize(model, method: str):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear) or child is head:
                     setattr(parent, name, Int8Linear(child))
+        if ggml.available():  # a row's activations the same bits whatever the pass's split
+            ggml.replace_activations(model)
     model.config.specdec_quantize = method
     if model._can_set_attn_implementation():
         model.set_attn_implementation(FLOAT64_ATTENTION)  # the engine sets its own, in float64 too

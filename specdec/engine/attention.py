@@ -41,6 +41,12 @@ class Plan:
     # token attends [T]); `groups` is then empty.
     kernel: Callable | None = None
     table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # A pass of static shapes (model_runner.StaticPasses): each packed token attends on its
+    # own, from (slots [T, L] its row reads, padded; positions each token attends [T]);
+    # `groups` is then empty, and the pass is never abandoned (a CUDA graph runs whole).
+    by_token: tuple[torch.Tensor, torch.Tensor] | None = None
+    # One past the pass's last position, where the caller knows it (no device read for it).
+    end: int | None = None
     # Set once every row's caller has gone, for a pass that runs its layers in one kernel
     # call (specdec/kernels/layer_cpu.cpp): it reads it before each layer.
     stop: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.uint8))
@@ -63,7 +69,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     plan = specdec_plan
     if plan is None:
         raise RuntimeError("this model runs through specdec's Engine now: load another copy for other uses")
-    if plan.abandoned():
+    if plan.by_token is None and plan.abandoned():
         raise Abandoned  # before this layer writes: the rows' caches stay as they were before the pass
     layer = module.layer_idx
     k_pool, v_pool = plan.pool.k[layer], plan.pool.v[layer]
@@ -71,6 +77,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
     if plan.kernel is not None:
         return plan.kernel(query[0].transpose(0, 1), k_pool, v_pool, *plan.table, scaling).unsqueeze(0), None
+    if plan.by_token is not None:
+        return _attend_by_token(plan, query, k_pool, v_pool, scaling), None
     if len(plan.groups) == 1 and plan.groups[0].read_slots.shape[0] == 1:
         # The pass's one row (a decode step, one session's round): its tokens in order,
         # nothing to pick out or place back.
@@ -96,6 +104,19 @@ def _attend(g: Group, q, k_pool, v_pool, dtype, scaling) -> torch.Tensor:
     k, v = k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)  # [b, kv_heads, L, d]
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling,
                                                             enable_gqa=True)
+
+
+def _attend_by_token(plan: Plan, query, k_pool, v_pool, scaling) -> torch.Tensor:
+    """query: [1, heads, T, d] -> [1, T, heads, d], each token attending the first
+    `lengths[t]` slots of its table row: shapes that depend on the pass's bucket alone."""
+    read, lengths = plan.by_token  # [T, L], [T]
+    t, length = read.shape
+    k = k_pool.index_select(0, read.reshape(-1)).view(t, length, *k_pool.shape[1:]).transpose(1, 2).to(plan.dtype)
+    v = v_pool.index_select(0, read.reshape(-1)).view(t, length, *v_pool.shape[1:]).transpose(1, 2).to(plan.dtype)
+    q = query[0].transpose(0, 1).unsqueeze(2).to(plan.dtype)  # [T, heads, 1, d]
+    mask = (torch.arange(length, device=read.device) < lengths[:, None])[:, None, None, :]  # [T, 1, 1, L]
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return o[:, :, 0].unsqueeze(0).to(query.dtype)
 
 
 AttentionInterface.register(ATTENTION, paged_attention)

@@ -59,7 +59,7 @@ class Engine:
 
     def __init__(self, model, kv_cache_bytes: int, max_batch_rows: int = 64, max_batch_tokens: int = 256,
                  max_waiting: int = 64, block_size: int = 16, gather: float = 0.25, threads: int = 0,
-                 metrics=None, prefix_caching: bool = True):
+                 metrics=None, prefix_caching: bool = True, cuda_graphs: bool = False):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be >= 1")
         check_supported(model)
@@ -68,7 +68,7 @@ class Engine:
         self.blocks = BlockManager(self.pool, metrics, prefix_caching)
         self.cond = threading.Condition()
         self.scheduler = Scheduler(self.blocks, self.cond, max_batch_rows, max_batch_tokens, gather)
-        self.runner = ModelRunner(model, self.pool, self.scheduler.short)
+        self.runner = ModelRunner(model, self.pool, self.scheduler.short, static=cuda_graphs)
         self.max_waiting = max_waiting
         self.stopped = False
         self.pass_seconds = 0.0

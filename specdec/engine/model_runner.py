@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import weakref
 
 import torch
 
@@ -14,13 +15,22 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, short: int):
+    def __init__(self, model, pool: KVPool, short: int, static: bool = False):
         """short: rows of at most this many tokens attend together (a pass's rounds and
-        steps); longer ones (prefill chunks) attend in a group of their own."""
+        steps); longer ones (prefill chunks) attend in a group of their own. static: passes
+        that fit StaticPasses' buckets run through it (CUDA graphs on a GPU)."""
         model.set_attn_implementation(ATTENTION)
         self.model, self.device, self.pool, self.short = model, model.device, pool, short
         self.plan: Plan | None = None  # the pass running or last run
         self.attention_dtype = attention_dtype(model, model.dtype)
+        self.static = None
+        if static:
+            if not _is_llama(model):
+                raise ValueError("static passes (--cuda-graphs) run Llama-family models only")
+            from specdec.modeling import max_positions
+
+            self.static = StaticPasses(model, pool, self.attention_dtype, model.device.type == "cuda",
+                                       max_positions(model))
         self.kernel = _cpu_attention(model, self.attention_dtype)
         self.forward = _llama_forward if _is_llama(model) else _transformers_forward
         if self.forward is _llama_forward and self.kernel is not None and (stack := _layer_stack(model)):
@@ -37,6 +47,8 @@ class ModelRunner:
             keep += range(len(ids) + row.n - row.wanted, len(ids) + row.n)
             ids += seq.tokens[start:end]
             positions += range(start, end)
+        if self.static is not None and (logits := self.static.run(batch, ids, positions, keep)) is not None:
+            return logits
         writes = [slots[row.start:] for row, _, slots in placed]
         plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), [], self.attention_dtype,
                     [row.work for row in batch])
@@ -89,6 +101,107 @@ class ModelRunner:
                      torch.tensor(packed, device=device), torch.tensor(flat, device=device))
 
 
+class StaticPasses:
+    """Passes of static shapes, replayed from CUDA graphs on a GPU: no host in the step.
+
+    A pass of T tokens whose rows read at most L positions runs in the smallest bucket
+    (T', L') that holds it, T' from TOKENS and L' a power of two from 128 up to the
+    model's positions: the pass's ids, positions, write slots and each token's read
+    table are copied into buffers of the largest bucket (one copy from the host), the
+    padding tokens write to a slot no session owns (block 0's second: block 0 is never
+    handed out) and read it alone, and the bucket's graph replays. Its logits come back
+    for every token; the wanted ones are picked after. Each bucket is captured at its
+    first pass (`capture` False: the same padded pass runs eagerly, as on a CPU, where
+    the tests check it against the engine's own). A longer pass runs the usual way."""
+
+    TOKENS = (1, 2, 4, 8, 16, 32, 64)
+    PAD_SLOT = 1
+
+    def __init__(self, model, pool: KVPool, dtype: torch.dtype, capture: bool, max_positions: int):
+        if pool.block_size < 2:
+            raise ValueError("static passes need blocks of at least 2 slots (the padding writes to block 0's second)")
+        self.model, self.pool, self.dtype, self.capture = model, pool, dtype, capture
+        self.lengths = [128]
+        while self.lengths[-1] < max_positions:
+            self.lengths.append(2 * self.lengths[-1])
+        device, tokens, length = model.device, self.TOKENS[-1], self.lengths[-1]
+        self.inputs = torch.zeros(4, tokens, dtype=torch.long, device=device)  # ids, positions, writes, lengths
+        self.read = torch.zeros(tokens, length, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.passes = 0  # passes run here
+
+    def bucket(self, tokens: int, length: int) -> tuple[int, int] | None:
+        t = next((b for b in self.TOKENS if b >= tokens), None)
+        l_ = next((b for b in self.lengths if b >= length), None)
+        return None if t is None or l_ is None else (t, l_)
+
+    def run(self, batch: list[Row], ids: list[int], positions: list[int], keep: list[int]) -> torch.Tensor | None:
+        """The pass's logits of the wanted positions ([len(keep), vocab]), or None where it
+        fits no bucket."""
+        length = max(row.start + row.n for row in batch)
+        if (shape := self.bucket(len(ids), length)) is None:
+            return None
+        t, l_ = shape
+        inputs = torch.zeros(4, t, dtype=torch.long)
+        inputs[2] = self.PAD_SLOT
+        inputs[3] = 1  # padding reads one slot: its own
+        read = torch.full((t, l_), self.PAD_SLOT, dtype=torch.long)
+        block = self.pool.block_size
+        at = 0
+        for row in batch:
+            end = row.start + row.n
+            slots = row.work.seq.slots(end, block, "cpu")
+            inputs[2, at:at + row.n] = slots[row.start:]
+            read[at:at + row.n, :end] = slots
+            at += row.n
+        inputs[0, :at] = torch.tensor(ids)
+        inputs[1, :at] = torch.tensor(positions)
+        inputs[3, :at] = inputs[1, :at] + 1
+        self.inputs[:, :t].copy_(inputs, non_blocking=True)
+        self.read[:t, :l_].copy_(read, non_blocking=True)
+        logits = self._replay(t, l_) if self.capture else self._forward(t, l_)
+        self.passes += 1
+        logits = logits[torch.tensor(keep, device=logits.device)].float()  # a copy: the next replay overwrites
+        if logits.device.type == "cuda":  # the pass's time is read right after: let it end first
+            torch.cuda.synchronize(logits.device)
+        return logits
+
+    def _forward(self, t: int, l_: int) -> torch.Tensor:
+        """The bucket's pass over the buffers -> logits of its t tokens [t, vocab]."""
+        ids, positions, writes, lengths = self.inputs[:, :t]
+        plan = Plan(self.pool, writes, [], self.dtype, [], by_token=(self.read[:t, :l_], lengths), end=l_)
+        with torch.inference_mode():
+            return _llama_forward(self.model, ids[None], positions[None], torch.arange(t, device=ids.device), plan)[0]
+
+    def _replay(self, t: int, l_: int) -> torch.Tensor:
+        if (held := self.graphs.get((t, l_))) is None:
+            held = self.graphs[(t, l_)] = self._captured(t, l_)
+        graph, logits = held
+        graph.replay()
+        return logits
+
+    def _captured(self, t: int, l_: int):
+        """The bucket's graph, captured over buffers that hold a pass of padding alone (its
+        warm-up passes write only the padding slot)."""
+        saved = self.inputs[:, :t].clone(), self.read[:t, :l_].clone()
+        self.inputs[:, :t] = torch.tensor([0, 0, self.PAD_SLOT, 1], device=self.inputs.device)[:, None]
+        self.read[:t, :l_] = self.PAD_SLOT
+        rotary(self.model, self.inputs[1:2, :t], self.lengths[-1])  # the table whole, before capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernels chosen and loaded outside the capture
+                self._forward(t, l_)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits = self._forward(t, l_)
+        self.inputs[:, :t], self.read[:t, :l_] = saved
+        log.info("captured a CUDA graph of %d tokens reading up to %d positions", t, l_)
+        return graph, logits
+
+
 def _cpu_attention(model, dtype: torch.dtype):
     """The float64 attention kernel, for a model on a CPU that attends in float64 (a
     quantized one) and keeps float32 keys and values; None elsewhere, or where the
@@ -122,6 +235,46 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class RotaryTable:
+    """The rotary embedding's cos and sin of each position, each row computed once, as a
+    one-token step computes it, and read from here by every pass. Computed per pass, a
+    row's bits depended on the pass: torch's cos and sin over a long pass's T x head_dim
+    values split between threads mid-row, and a piece's SIMD lanes and scalar rest round
+    differently."""
+
+    def __init__(self, model):
+        self.rotary = model.model.rotary_emb
+        self.like = torch.empty(0, dtype=model.dtype, device=model.device)  # the dtype and device it computes for
+        self.cos = self.sin = None  # [positions, head_dim]
+
+    def __call__(self, positions: torch.Tensor, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [1, T], all below `end` where the caller knows it (else they are read
+        from the device) -> cos, sin [1, T, head_dim]"""
+        held = 0 if self.cos is None else len(self.cos)
+        if (need := end if end is not None else int(positions.max()) + 1) > held:
+            self._grow(max(need, 2 * held, 256))
+        return self.cos[positions], self.sin[positions]
+
+    def _grow(self, size: int) -> None:
+        held = 0 if self.cos is None else len(self.cos)
+        rows = [self.rotary(self.like, torch.tensor([[p]], device=self.like.device)) for p in range(held, size)]
+        cos, sin = (torch.cat([r[i][0] for r in rows]) for i in (0, 1))
+        if self.cos is not None:
+            cos, sin = torch.cat([self.cos, cos]), torch.cat([self.sin, sin])
+        self.cos, self.sin = cos, sin
+
+
+_rotary_tables: "weakref.WeakKeyDictionary[torch.nn.Module, RotaryTable]" = weakref.WeakKeyDictionary()
+
+
+def rotary(model, positions: torch.Tensor, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [1, T, head_dim] of positions [1, T] (all below `end`, where known), from
+    the model's RotaryTable."""
+    if (table := _rotary_tables.get(model)) is None:
+        table = _rotary_tables[model] = RotaryTable(model)
+    return table(positions, end)
+
+
 def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
     """LlamaForCausalLM's forward: its modules, and its operations on each element in its
     order (the same logits to the bit), without the plumbing around them (output
@@ -131,7 +284,7 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
     rotary operation."""
     inner = model.model
     h = inner.embed_tokens(ids)  # [1, T, hidden]
-    cos, sin = inner.rotary_emb(h, positions)
+    cos, sin = rotary(model, positions, plan.end)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, head_dim]
     for layer in inner.layers:
         attn = layer.self_attn
@@ -202,7 +355,7 @@ def _layer_kernel_forward(stack, model, ids, positions, keep, plan: Plan) -> tor
     whose file says why): the same operations on each element, so the same bits."""
     inner = model.model
     h = inner.embed_tokens(ids)  # [1, T, hidden]
-    cos, sin = inner.rotary_emb(h, positions)
+    cos, sin = rotary(model, positions, plan.end)
     if plan.abandoned():
         raise Abandoned  # before the first layer writes
     h = stack.forward(h[0], cos[0], sin[0], plan.pool.k, plan.pool.v, plan.write_slots, *plan.table, plan.stop)

@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 
 
-SOURCES = ("gguf_cpu.cpp", "attention_cpu.cpp", "norm_cpu.cpp", "layer_cpu.cpp", "module.cpp")
+SOURCES = ("gguf_cpu.cpp", "attention_cpu.cpp", "norm_cpu.cpp", "activation_cpu.cpp", "layer_cpu.cpp", "module.cpp")
+HEADERS = ("exp_cpu.h",)
 
 
 @functools.cache
@@ -26,7 +27,8 @@ def cpu():
     """The CPU kernels, one module: the GGUF block products (gguf_cpu.cpp), `pack(blocks,
     type)`, `matmul(x, packed, type, rows)` and `dequantize(packed, type, rows, ids)`; the engine's float64 paged
     attention (attention_cpu.cpp), `attention(q, k_pool, v_pool, slots, rows, lengths, scale)`;
-    Llama's RMSNorm (norm_cpu.cpp), `rms_norm(x, weight, eps)`; a Llama model's decoder
+    Llama's RMSNorm (norm_cpu.cpp), `rms_norm(x, weight, eps)`; silu, row-invariant
+    (activation_cpu.cpp), `silu(x)`; a Llama model's decoder
     layers on GGUF blocks from those parts (layer_cpu.cpp), `LlamaStack(...)`, whose
     `forward` takes a pass through all of them in one call."""
     from torch.utils import cpp_extension
@@ -36,7 +38,7 @@ def cpu():
     sources = [_HERE / name for name in SOURCES]
     # -march=native: built on the machine that runs it; the key keeps builds for other
     # CPUs, torch versions and sources apart (a shared cache, a baked image).
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + torch.__version__.encode()
+    key = hashlib.sha256(b"".join((_HERE / name).read_bytes() for name in SOURCES + HEADERS) + torch.__version__.encode()
                          + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
     build = cache_root() / "kernels" / f"cpu-{key}"
     try:

@@ -24,6 +24,8 @@
 #include <cstring>
 #include <vector>
 
+#include "exp_cpu.h"
+
 namespace {
 
 // sum of a[i] * b[i] over d values (a: the query, already float64), in float64: two sets of
@@ -53,54 +55,16 @@ inline double dot(const double* a, const float* b, int64_t d) {
   return s;
 }
 
-// e^x, for the softmax's x = score - the row's largest score (<= 0), in float64 within about
-// an ulp, 4 lanes at once: std::exp took a call a score (attention of 5 tokens over 125
-// positions, 30 layers, cache-hot, one thread: 3.4 -> 2.9 ms). x = k ln2 + r,
-// |r| <= ln2 / 2; e^r by its Taylor series to r^13 (the rest below 1e-17 of it); 2^k put
-// into the exponent's bits. The same operations on every value, SIMD lanes and the scalar
-// rest alike, so a score's weight does not depend on where in the row it lies; below
-// e^-708 (2^-1021) a weight is 0: against the largest weight, 1, it is lost in every sum it
-// enters.
-constexpr double EXP_FLOOR = -708.0, LOG2E = 0x1.71547652b82fep0, LN2_HI = 0x1.62e42fefa39efp-1,
-                 LN2_LO = 0x1.abc9e3b39803fp-56, BIAS = 0x1.8p52 + 1023.0;  // k + BIAS: k + 1023 in the low bits
-constexpr double TAYLOR[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
-                               1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
-                               1.0 / 6227020800};
+using specdec_exp::exp_nonpositive;
 
-inline double exp_nonpositive(double x) {
-  if (x < EXP_FLOOR) return 0.0;
-  const double k = std::nearbyint(x * LOG2E);
-  const double r = std::fma(-k, LN2_LO, std::fma(-k, LN2_HI, x));
-  double p = TAYLOR[13];
-  for (int i = 12; i >= 0; --i) p = std::fma(p, r, TAYLOR[i]);
-  uint64_t bits;
-  const double biased = k + BIAS;
-  std::memcpy(&bits, &biased, 8);
-  bits <<= 52;
-  double scale;
-  std::memcpy(&scale, &bits, 8);
-  return p * scale;
-}
-
-// s[j] = e^(s[j] - top) for j < n. (AVX2's 4 lanes on AVX-512 too: 8 measured no faster.)
+// s[j] = e^(s[j] - top) for j < n: each score's weight, whatever its place in the row
+// (exp_cpu.h). (AVX2's 4 lanes on AVX-512 too: 8 measured no faster.)
 inline void exp_shifted(double* s, int64_t n, double top) {
   int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256d shift = _mm256_set1_pd(top);
-  for (; j + 4 <= n; j += 4) {
-    const __m256d x = _mm256_sub_pd(_mm256_loadu_pd(s + j), shift);
-    const __m256d k = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(LOG2E)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256d minus_k = _mm256_sub_pd(_mm256_setzero_pd(), k);
-    const __m256d r = _mm256_fmadd_pd(minus_k, _mm256_set1_pd(LN2_LO),
-                                      _mm256_fmadd_pd(minus_k, _mm256_set1_pd(LN2_HI), x));
-    __m256d p = _mm256_set1_pd(TAYLOR[13]);
-    for (int i = 12; i >= 0; --i) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(TAYLOR[i]));
-    const __m256d scale =
-        _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(k, _mm256_set1_pd(BIAS))), 52));
-    const __m256d kept = _mm256_cmp_pd(x, _mm256_set1_pd(EXP_FLOOR), _CMP_NLT_UQ);  // NaN kept: it stays NaN
-    _mm256_storeu_pd(s + j, _mm256_and_pd(_mm256_mul_pd(p, scale), kept));
-  }
+  for (; j + 4 <= n; j += 4)
+    _mm256_storeu_pd(s + j, specdec_exp::exp_nonpositive4(_mm256_sub_pd(_mm256_loadu_pd(s + j), shift)));
 #endif
   for (; j < n; ++j) s[j] = exp_nonpositive(s[j] - top);
 }

@@ -11,8 +11,8 @@
 // The same operations on each element, in the same order, as the engine's Python pass
 // of the same model (specdec/engine/model_runner.py, _llama_forward): the same bits, which
 // the tests check. The rotary embedding is x * cos + rotate_half(x) * sin, each product
-// rounded before the sum (the build turns off contraction); the activation is torch's
-// own silu.
+// rounded before the sum (the build turns off contraction); the activation is our own
+// silu (activation_cpu.cpp), as the Python pass's act_fn (specdec.ggml.SiLU).
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -28,6 +28,7 @@ void attend(const float* q, int64_t T, int64_t H, int64_t d, const float* k_pool
 void check_table(const torch::Tensor& slots, const torch::Tensor& rows, const torch::Tensor& lengths, int64_t T,
                  int64_t S);
 void rms_norm_rows(const float* x, const float* w, int64_t n, int64_t rows, double eps, float* y);
+void silu_rows(const float* x, int64_t rows, int64_t n, int64_t stride, float* y);
 
 namespace {
 
@@ -136,7 +137,6 @@ std::optional<torch::Tensor> LlamaStack::forward(torch::Tensor h, torch::Tensor 
   float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *op = o.data_ptr<float>();
   float *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const torch::Tensor gate = gate_up.narrow(1, 0, inter_);
   const uint8_t* stopped = stop.data_ptr<uint8_t>();
   auto product = [&](int64_t l, int i, const float* in, int64_t M, int64_t K, int64_t N, float* out) {
     const torch::Tensor& w = weights_[4 * l + i];
@@ -166,7 +166,7 @@ std::optional<torch::Tensor> LlamaStack::forward(torch::Tensor h, torch::Tensor 
     // The MLP: gate and up in one product.
     rms_norm_rows(hp, norms_[2 * l + 1].data_ptr<float>(), hidden_, T, eps_, xp);
     product(l, 2, xp, T, hidden_, 2 * inter_, gup);
-    at::silu_out(act, gate);
+    silu_rows(gup, T, inter_, 2 * inter_, actp);  // the gate's half of each row
     for (int64_t t = 0; t < T; ++t) {
       float* a = actp + t * inter_;
       const float* up = gup + t * 2 * inter_ + inter_;

@@ -9,6 +9,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t n, torch::Tensor
 torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
                         torch::Tensor rows, torch::Tensor lengths, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor silu(torch::Tensor x);
 void define_llama_stack(pybind11::module_& m);
 
 // ATen takes a thread's count of threads from torch's process-wide setting at the thread's
@@ -32,5 +33,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("take_threads", &take_threads, "fixes this thread's torch.set_num_threads for these kernels; -> the count");
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, the sum of squares in float64 (norm_cpu.cpp)");
+  m.def("silu", &silu, "x / (1 + e^-x), each value's bits wherever it lies (activation_cpu.cpp)");
   define_llama_stack(m);
 }

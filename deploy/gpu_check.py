@@ -1,0 +1,174 @@
+"""The prepared device check for a lent GPU (never part of CI): the engine on CUDA, its
+usual passes against static passes replayed from CUDA graphs (`--cuda-graphs`), on a
+model of the default target's shape (SmolLM2-135M's config, random weights: the GGUF
+file does not travel to the device), in float32 and bfloat16.
+
+Prints a table and writes every figure to $OUT/gpu_check.json (or the folder given):
+- a step: ms a token of greedy one-token steps;
+- a pass of 5 tokens (a K = 4 verify pass) against a pass of 1, and 64 rows of one token
+  against one row;
+- exactness: the target's own greedy tokens fed back as drafts of 4 (as a verify pass
+  takes them), against its one-token steps: how many positions' argmax agree, and
+  whether their logits are bit-identical.
+
+    python -m deploy.gpu_check [OUT]"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.engine import Engine
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+PROMPT, STEPS, REPEATS = 48, 64, 30
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if os.environ.get("GPU_CHECK_SMOKE"):  # the script's own check, on a CPU: a small model, few repeats
+    SMOLLM2_135M["num_hidden_layers"], STEPS, REPEATS = 2, 9, 2
+
+
+def model(dtype: torch.dtype):
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M))
+    with torch.no_grad():  # logits with margins, not a flat random head
+        m.lm_head.weight.mul_(8.0)
+    return m.to(device=DEVICE, dtype=dtype).eval()
+
+
+def prompt(seed: int, n: int = PROMPT) -> list[int]:
+    return torch.randint(0, SMOLLM2_135M["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def timed(fn) -> float:
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    fn()
+    sync()
+    return (time.perf_counter() - started) * 1000
+
+
+def greedy(engine: Engine, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor], float]:
+    """One-token steps -> (tokens, each step's logits, ms a token after the first)."""
+    seq = engine.new_sequence()
+    seq.sync(0, ids)
+    logits = [engine.forward_now(seq, 1)[0][-1]]
+    tokens = [int(logits[-1].argmax())]
+    started = time.perf_counter()
+    for _ in range(steps - 1):
+        seq.extend([tokens[-1]])
+        logits.append(engine.forward_now(seq, 1)[0][-1])
+        tokens.append(int(logits[-1].argmax()))
+    ms = (time.perf_counter() - started) * 1000 / (steps - 1)
+    engine.release(seq)
+    return tokens, logits, ms
+
+
+def verified(engine: Engine, ids: list[int], tokens: list[int], k: int = 4) -> list[torch.Tensor]:
+    """The target's own tokens as drafts of k, each round one pass of k + 1 positions ->
+    the logits after each position of `tokens` but the last."""
+    seq = engine.new_sequence()
+    seq.sync(0, ids)
+    out = [engine.forward_now(seq, 1)[0][-1]]
+    at = 0
+    while at + k < len(tokens):
+        seq.sync(len(ids) + at, tokens[at:at + k + 1])
+        out += list(engine.forward_now(seq, k + 1)[0][1:])
+        at += k + 1
+    engine.release(seq)
+    return out[:len(tokens)]
+
+
+def pass_ms(engine: Engine, n: int, rows: int = 1) -> float:
+    """Median ms of a pass of `rows` sessions x n new tokens, each over a 48-token cache."""
+    seqs = [engine.new_sequence() for _ in range(rows)]
+    for i, seq in enumerate(seqs):
+        seq.sync(0, prompt(100 + i))
+        engine.forward_now(seq, 1)
+    times = []
+    for r in range(REPEATS + 3):
+        def one():
+            with engine.cond:
+                for seq in seqs:
+                    seq.sync(PROMPT, prompt(200 + r, n))
+                works = [engine.submit(seq, n) for seq in seqs]
+            for work in works:
+                work.future.result()
+        times.append(timed(one))
+    for seq in seqs:
+        engine.release(seq)
+    return statistics.median(times[3:])
+
+
+def check(dtype: torch.dtype, graphs: bool) -> dict:
+    m = model(dtype)
+    started = time.perf_counter()
+    engine = Engine(m, 1 << 30, cuda_graphs=graphs, prefix_caching=False)
+    try:
+        greedy(engine, prompt(1), 8)  # warm: kernels loaded, the step's graphs captured
+        for n, rows in ((5, 1), (1, 64)):
+            pass_ms(engine, n, rows)  # their graphs captured before timing
+        warm_s = time.perf_counter() - started
+        out = {"dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs, "warm_s": round(warm_s, 2)}
+        out["pass_1_ms"] = pass_ms(engine, 1)
+        out["pass_5_ms"] = pass_ms(engine, 5)
+        out["rows_64_ms"] = pass_ms(engine, 1, 64)
+        out["pass_5_over_1"] = out["pass_5_ms"] / out["pass_1_ms"]
+        out["rows_64_over_1"] = out["rows_64_ms"] / out["pass_1_ms"]
+        agree = bits = total = 0
+        step_ms = []
+        outputs = []
+        for seed in range(8):
+            ids = prompt(10 + seed)
+            tokens, step_logits, ms = greedy(engine, ids, STEPS)
+            step_ms.append(ms)
+            outputs.append(tokens)
+            for a, b in zip(step_logits, verified(engine, ids, tokens)):
+                total += 1
+                agree += int(a.argmax() == b.argmax())
+                bits += int(torch.equal(a, b))
+        out.update(step_ms=statistics.median(step_ms), verify_argmax_agree=f"{agree}/{total}",
+                   verify_bit_identical=f"{bits}/{total}", outputs=outputs)
+        if graphs:
+            out["graphs"] = len(engine.runner.static.graphs)
+            out["static_passes"] = engine.runner.static.passes
+        return out
+    finally:
+        engine.stop()
+        del m
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "."))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "runs": []}
+    for dtype in (torch.float32, torch.bfloat16):
+        for graphs in (False, True):
+            run = check(dtype, graphs)
+            results["runs"].append(run)
+            (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1))
+            print(json.dumps({k: v for k, v in run.items() if k != "outputs"}), flush=True)
+    for dtype in ("float32", "bfloat16"):
+        eager, graphed = [r for r in results["runs"] if r["dtype"] == dtype]
+        same = sum(a == b for a, b in zip(eager["outputs"], graphed["outputs"]))
+        print(f"{dtype}: greedy outputs, graphs against eager steps: {same}/{len(eager['outputs'])} identical")
+    print(f"\n{'dtype':9} {'graphs':6} {'step ms':>8} {'1 tok':>7} {'5 tok':>7} {'64 rows':>8} {'5/1':>5} "
+          f"{'64/1':>5} {'verify argmax':>13} {'bits':>8} {'warm s':>6}")
+    for r in results["runs"]:
+        print(f"{r['dtype']:9} {str(r['cuda_graphs']):6} {r['step_ms']:8.2f} {r['pass_1_ms']:7.2f} "
+              f"{r['pass_5_ms']:7.2f} {r['rows_64_ms']:8.2f} {r['pass_5_over_1']:5.2f} {r['rows_64_over_1']:5.2f} "
+              f"{r['verify_argmax_agree']:>13} {r['verify_bit_identical']:>8} {r['warm_s']:6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

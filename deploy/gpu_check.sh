@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The prepared device check for a lent GPU (never in CI): what it needs is on the device's
+# image (torch, transformers, grpcio); it runs the engine's CUDA passes, eager and from CUDA
+# graphs, and writes its figures and log under $OUT (deploy/gpu_check.py says what it measures).
+# About 3 minutes on an H100.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-check-out}
+mkdir -p "$OUT"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  git rev-parse --short HEAD 2>/dev/null || true
+} | tee "$OUT/gpu_check.log"
+PYTHONUNBUFFERED=1 python3 -m deploy.gpu_check "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/gpu_check.log"
