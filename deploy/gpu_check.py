@@ -86,13 +86,15 @@ def verified(engine: Engine, ids: list[int], tokens: list[int], k: int = 4) -> l
     return out[:len(tokens)]
 
 
-def pass_ms(engine: Engine, n: int, rows: int = 1) -> float:
-    """Median ms of a pass of `rows` sessions x n new tokens, each over a 48-token cache."""
+def pass_ms(engine: Engine, n: int, rows: int = 1, runner: list | None = None) -> float:
+    """Median ms of a pass of `rows` sessions x n new tokens, each over a 48-token cache
+    (`runner`: the mean ms of the engine's own part, the runner's, appended to it)."""
     seqs = [engine.new_sequence() for _ in range(rows)]
     for i, seq in enumerate(seqs):
         seq.sync(0, prompt(100 + i))
         engine.forward_now(seq, 1)
     times = []
+    busy, passes = engine.busy_s, engine.passes
     for r in range(REPEATS + 3):
         def one():
             with engine.cond:
@@ -102,9 +104,39 @@ def pass_ms(engine: Engine, n: int, rows: int = 1) -> float:
             for work in works:
                 work.future.result()
         times.append(timed(one))
+    if runner is not None:
+        runner.append((engine.busy_s - busy) * 1000 / (engine.passes - passes))
     for seq in seqs:
         engine.release(seq)
     return statistics.median(times[3:])
+
+
+def replay_ms(graph) -> float:
+    """A captured pass's replay alone, on the device's clock: median of 50."""
+    times = []
+    for _ in range(53):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+def compiled(static) -> dict:
+    """The same 1-token pass (bucket 1 x 128) through torch.compile(mode="reduce-overhead")
+    instead of our capture of the eager operations: its compile time and its call's time."""
+    started = time.perf_counter()
+    try:
+        forward = torch.compile(lambda: static._forward(1, 128), mode="reduce-overhead", dynamic=False)
+        for _ in range(3):
+            forward()
+        compile_s = time.perf_counter() - started
+        times = [timed(forward) for _ in range(53)]
+        return {"compile_s": round(compile_s, 1), "call_ms": statistics.median(times[3:])}
+    except Exception as err:  # report, don't stop the check
+        return {"error": f"{type(err).__name__}: {str(err)[:300]}", "after_s": round(time.perf_counter() - started, 1)}
 
 
 def check(dtype: torch.dtype, graphs: bool) -> dict:
@@ -136,9 +168,16 @@ def check(dtype: torch.dtype, graphs: bool) -> dict:
                 bits += int(torch.equal(a, b))
         out.update(step_ms=statistics.median(step_ms), verify_argmax_agree=f"{agree}/{total}",
                    verify_bit_identical=f"{bits}/{total}", outputs=outputs)
+        runner = []
+        pass_ms(engine, 1, runner=runner)
+        out["pass_1_engine_ms"] = runner[0]
         if graphs:
-            out["graphs"] = len(engine.runner.static.graphs)
-            out["static_passes"] = engine.runner.static.passes
+            static = engine.runner.static
+            out["graphs"] = len(static.graphs)
+            out["static_passes"] = static.passes
+            out["replay_ms"] = {f"{t}x{l_}": replay_ms(graph) for (t, l_), (graph, _) in sorted(static.graphs.items())}
+            if DEVICE == "cuda" and not os.environ.get("GPU_CHECK_NO_COMPILE"):
+                out["compiled"] = compiled(static)
         return out
     finally:
         engine.stop()
@@ -161,6 +200,10 @@ def main() -> int:
         eager, graphed = [r for r in results["runs"] if r["dtype"] == dtype]
         same = sum(a == b for a, b in zip(eager["outputs"], graphed["outputs"]))
         print(f"{dtype}: greedy outputs, graphs against eager steps: {same}/{len(eager['outputs'])} identical")
+    for r in results["runs"]:
+        if r["cuda_graphs"]:
+            print(r["dtype"], "replay ms by bucket:", r.get("replay_ms"), "engine's part of a 1-token pass:",
+                  round(r["pass_1_engine_ms"], 3), "ms; torch.compile:", r.get("compiled"))
     print(f"\n{'dtype':9} {'graphs':6} {'step ms':>8} {'1 tok':>7} {'5 tok':>7} {'64 rows':>8} {'5/1':>5} "
           f"{'64/1':>5} {'verify argmax':>13} {'bits':>8} {'warm s':>6}")
     for r in results["runs"]:

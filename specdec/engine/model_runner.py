@@ -4,6 +4,7 @@ import functools
 import logging
 import weakref
 
+import numpy as np
 import torch
 
 from specdec.engine.attention import ATTENTION, Abandoned, Group, Plan, paged_attention
@@ -40,15 +41,18 @@ class ModelRunner:
         """One forward over every row's next tokens; -> logits of the wanted positions
         [sum of the rows' wanted, vocab]."""
         device, block_size = self.device, self.pool.block_size
-        ids, positions, keep, placed = [], [], [], []
+        ids, positions, keep, offsets = [], [], [], []
         for row in batch:
             seq, start, end = row.work.seq, row.start, row.start + row.n
-            placed.append((row, len(ids), seq.slots(end, block_size, device)))  # the slots it reads, its own last
+            offsets.append(len(ids))
             keep += range(len(ids) + row.n - row.wanted, len(ids) + row.n)
             ids += seq.tokens[start:end]
             positions += range(start, end)
         if self.static is not None and (logits := self.static.run(batch, ids, positions, keep)) is not None:
             return logits
+        # Each row with its offset in the packed tokens and the slots it reads, its own last.
+        placed = [(row, offset, row.work.seq.slots(row.start + row.n, block_size, device))
+                  for row, offset in zip(batch, offsets)]
         writes = [slots[row.start:] for row, _, slots in placed]
         plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), [], self.attention_dtype,
                     [row.work for row in batch])
@@ -127,6 +131,9 @@ class StaticPasses:
         device, tokens, length = model.device, self.TOKENS[-1], self.lengths[-1]
         self.inputs = torch.zeros(4, tokens, dtype=torch.long, device=device)  # ids, positions, writes, lengths
         self.read = torch.zeros(tokens, length, dtype=torch.long, device=device)
+        pinned = device.type == "cuda"
+        self.host_inputs = torch.zeros(4, tokens, dtype=torch.long, pin_memory=pinned)
+        self.host_read = torch.zeros(tokens, length, dtype=torch.long, pin_memory=pinned)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.passes = 0  # passes run here
@@ -143,26 +150,30 @@ class StaticPasses:
         if (shape := self.bucket(len(ids), length)) is None:
             return None
         t, l_ = shape
-        inputs = torch.zeros(4, t, dtype=torch.long)
-        inputs[2] = self.PAD_SLOT
-        inputs[3] = 1  # padding reads one slot: its own
-        read = torch.full((t, l_), self.PAD_SLOT, dtype=torch.long)
-        block = self.pool.block_size
-        at = 0
+        # The bucket's inputs built on the host in pinned memory, and copied in two copies.
+        inputs, read = self.host_inputs[:, :t].numpy(), self.host_read[:t, :l_].numpy()
+        n = len(ids)
+        inputs[0, :n], inputs[1, :n] = ids, positions
+        inputs[0, n:], inputs[1, n:], inputs[2, n:] = 0, 0, self.PAD_SLOT
+        inputs[3] = inputs[1] + 1  # a token reads up to its own position; padding its own slot alone
+        read[n:] = self.PAD_SLOT
+        block, at = self.pool.block_size, 0
         for row in batch:
             end = row.start + row.n
-            slots = row.work.seq.slots(end, block, "cpu")
+            blocks = np.asarray(row.work.seq.blocks[:-(-end // block)], dtype=np.int64)
+            slots = (blocks[:, None] * block + np.arange(block)).ravel()[:end]
             inputs[2, at:at + row.n] = slots[row.start:]
             read[at:at + row.n, :end] = slots
             at += row.n
-        inputs[0, :at] = torch.tensor(ids)
-        inputs[1, :at] = torch.tensor(positions)
-        inputs[3, :at] = inputs[1, :at] + 1
-        self.inputs[:, :t].copy_(inputs, non_blocking=True)
-        self.read[:t, :l_].copy_(read, non_blocking=True)
+        self.inputs[:, :t].copy_(self.host_inputs[:, :t], non_blocking=True)
+        self.read[:t, :l_].copy_(self.host_read[:t, :l_], non_blocking=True)
         logits = self._replay(t, l_) if self.capture else self._forward(t, l_)
         self.passes += 1
-        logits = logits[torch.tensor(keep, device=logits.device)].float()  # a copy: the next replay overwrites
+        if keep == list(range(keep[0], keep[0] + len(keep))):
+            logits = logits[keep[0]:keep[0] + len(keep)]
+        else:
+            logits = logits[torch.tensor(keep).to(logits.device, non_blocking=True)]
+        logits = logits.to(torch.float32, copy=True)  # a copy: the next replay overwrites the graph's
         if logits.device.type == "cuda":  # the pass's time is read right after: let it end first
             torch.cuda.synchronize(logits.device)
         return logits
