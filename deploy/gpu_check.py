@@ -124,31 +124,19 @@ def replay_ms(graph) -> float:
     return statistics.median(times[3:])
 
 
-def compiled(static) -> dict:
-    """The same 1-token pass (bucket 1 x 128) through torch.compile(mode="reduce-overhead")
-    instead of our capture of the eager operations: its compile time and its call's time."""
-    started = time.perf_counter()
-    try:
-        forward = torch.compile(lambda: static._forward(1, 128), mode="reduce-overhead", dynamic=False)
-        for _ in range(3):
-            forward()
-        compile_s = time.perf_counter() - started
-        times = [timed(forward) for _ in range(53)]
-        return {"compile_s": round(compile_s, 1), "call_ms": statistics.median(times[3:])}
-    except Exception as err:  # report, don't stop the check
-        return {"error": f"{type(err).__name__}: {str(err)[:300]}", "after_s": round(time.perf_counter() - started, 1)}
-
-
-def check(dtype: torch.dtype, graphs: bool) -> dict:
+def check(dtype: torch.dtype, graphs: bool, compiled: bool = False) -> dict:
     m = model(dtype)
     started = time.perf_counter()
     engine = Engine(m, 1 << 30, cuda_graphs=graphs, prefix_caching=False)
+    if compiled:
+        engine.runner.static.compile()
     try:
         greedy(engine, prompt(1), 8)  # warm: kernels loaded, the step's graphs captured
         for n, rows in ((5, 1), (1, 64)):
             pass_ms(engine, n, rows)  # their graphs captured before timing
         warm_s = time.perf_counter() - started
-        out = {"dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs, "warm_s": round(warm_s, 2)}
+        out = {"dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs, "compiled": compiled,
+               "warm_s": round(warm_s, 2)}
         out["pass_1_ms"] = pass_ms(engine, 1)
         out["pass_5_ms"] = pass_ms(engine, 5)
         out["rows_64_ms"] = pass_ms(engine, 1, 64)
@@ -175,9 +163,9 @@ def check(dtype: torch.dtype, graphs: bool) -> dict:
             static = engine.runner.static
             out["graphs"] = len(static.graphs)
             out["static_passes"] = static.passes
-            out["replay_ms"] = {f"{t}x{l_}": replay_ms(graph) for (t, l_), (graph, _) in sorted(static.graphs.items())}
-            if DEVICE == "cuda" and not os.environ.get("GPU_CHECK_NO_COMPILE"):
-                out["compiled"] = compiled(static)
+            if DEVICE == "cuda":
+                out["replay_ms"] = {f"{t}x{l_}": replay_ms(graph) for (t, l_), (graph, _) in
+                                    sorted(static.graphs.items())}
         return out
     finally:
         engine.stop()
@@ -189,25 +177,32 @@ def check(dtype: torch.dtype, graphs: bool) -> dict:
 def main() -> int:
     out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "runs": []}
-    for dtype in (torch.float32, torch.bfloat16):
-        for graphs in (False, True):
-            run = check(dtype, graphs)
-            results["runs"].append(run)
-            (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1))
-            print(json.dumps({k: v for k, v in run.items() if k != "outputs"}), flush=True)
+    results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+               "runs": []}
+    variants = [(torch.float32, False, False), (torch.float32, True, False), (torch.bfloat16, False, False),
+                (torch.bfloat16, True, False), (torch.bfloat16, True, True)]
+    if os.environ.get("GPU_CHECK_NO_COMPILE"):
+        variants = variants[:-1]
+    for dtype, graphs, compiled in variants:
+        run = check(dtype, graphs, compiled)
+        results["runs"].append(run)
+        (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps({k: v for k, v in run.items() if k != "outputs"}), flush=True)
     for dtype in ("float32", "bfloat16"):
-        eager, graphed = [r for r in results["runs"] if r["dtype"] == dtype]
-        same = sum(a == b for a, b in zip(eager["outputs"], graphed["outputs"]))
-        print(f"{dtype}: greedy outputs, graphs against eager steps: {same}/{len(eager['outputs'])} identical")
+        eager, *others = [r for r in results["runs"] if r["dtype"] == dtype]
+        for other in others:
+            same = sum(a == b for a, b in zip(eager["outputs"], other["outputs"]))
+            print(f"{dtype}: greedy outputs, graphs{' compiled' if other['compiled'] else ''} against eager steps: "
+                  f"{same}/{len(eager['outputs'])} identical")
     for r in results["runs"]:
         if r["cuda_graphs"]:
-            print(r["dtype"], "replay ms by bucket:", r.get("replay_ms"), "engine's part of a 1-token pass:",
-                  round(r["pass_1_engine_ms"], 3), "ms; torch.compile:", r.get("compiled"))
-    print(f"\n{'dtype':9} {'graphs':6} {'step ms':>8} {'1 tok':>7} {'5 tok':>7} {'64 rows':>8} {'5/1':>5} "
+            print(r["dtype"], "compiled" if r["compiled"] else "", "replay ms by bucket:", r.get("replay_ms"),
+                  "engine's part of a 1-token pass:", round(r["pass_1_engine_ms"], 3), "ms")
+    print(f"\n{'dtype':9} {'graphs':8} {'step ms':>8} {'1 tok':>7} {'5 tok':>7} {'64 rows':>8} {'5/1':>5} "
           f"{'64/1':>5} {'verify argmax':>13} {'bits':>8} {'warm s':>6}")
     for r in results["runs"]:
-        print(f"{r['dtype']:9} {str(r['cuda_graphs']):6} {r['step_ms']:8.2f} {r['pass_1_ms']:7.2f} "
+        kind = "compiled" if r["compiled"] else str(r["cuda_graphs"])
+        print(f"{r['dtype']:9} {kind:8} {r['step_ms']:8.2f} {r['pass_1_ms']:7.2f} "
               f"{r['pass_5_ms']:7.2f} {r['rows_64_ms']:8.2f} {r['pass_5_over_1']:5.2f} {r['rows_64_over_1']:5.2f} "
               f"{r['verify_argmax_agree']:>13} {r['verify_bit_identical']:>8} {r['warm_s']:6.1f}")
     return 0

@@ -129,8 +129,11 @@ class StaticPasses:
         while self.lengths[-1] < max_positions:
             self.lengths.append(2 * self.lengths[-1])
         device, tokens, length = model.device, self.TOKENS[-1], self.lengths[-1]
-        self.inputs = torch.zeros(4, tokens, dtype=torch.long, device=device)  # ids, positions, writes, lengths
+        # ids, positions, writes, lengths: one buffer each (a compiled pass takes them as
+        # its arguments: views of one storage tripped inductor)
+        self.inputs = [torch.zeros(tokens, dtype=torch.long, device=device) for _ in range(4)]
         self.read = torch.zeros(tokens, length, dtype=torch.long, device=device)
+        self.compiled = None  # torch.compile of the pass (`compile`), where asked
         pinned = device.type == "cuda"
         self.host_inputs = torch.zeros(4, tokens, dtype=torch.long, pin_memory=pinned)
         self.host_read = torch.zeros(tokens, length, dtype=torch.long, pin_memory=pinned)
@@ -165,7 +168,8 @@ class StaticPasses:
             inputs[2, at:at + row.n] = slots[row.start:]
             read[at:at + row.n, :end] = slots
             at += row.n
-        self.inputs[:, :t].copy_(self.host_inputs[:, :t], non_blocking=True)
+        for i, buffer in enumerate(self.inputs):
+            buffer[:t].copy_(self.host_inputs[i, :t], non_blocking=True)
         self.read[:t, :l_].copy_(self.host_read[:t, :l_], non_blocking=True)
         logits = self._replay(t, l_) if self.capture else self._forward(t, l_)
         self.passes += 1
@@ -178,12 +182,20 @@ class StaticPasses:
             torch.cuda.synchronize(logits.device)
         return logits
 
+    def compile(self) -> None:
+        """Runs each bucket's pass through torch.compile (its elementwise operations fused:
+        fewer kernels a graph), captured as before."""
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 64  # a compile per bucket
+        self.compiled = torch.compile(_static_pass, dynamic=False)
+
     def _forward(self, t: int, l_: int) -> torch.Tensor:
         """The bucket's pass over the buffers -> logits of its t tokens [t, vocab]."""
-        ids, positions, writes, lengths = self.inputs[:, :t]
-        plan = Plan(self.pool, writes, [], self.dtype, [], by_token=(self.read[:t, :l_], lengths), end=l_)
+        ids, positions, writes, lengths = (buffer[:t] for buffer in self.inputs)
         with torch.inference_mode():
-            return _llama_forward(self.model, ids[None], positions[None], torch.arange(t, device=ids.device), plan)[0]
+            return (self.compiled or _static_pass)(self.model, self.pool, self.dtype, ids, positions, writes,
+                                                   self.read[:t, :l_], lengths, l_)
 
     def _replay(self, t: int, l_: int) -> torch.Tensor:
         if (held := self.graphs.get((t, l_))) is None:
@@ -195,10 +207,11 @@ class StaticPasses:
     def _captured(self, t: int, l_: int):
         """The bucket's graph, captured over buffers that hold a pass of padding alone (its
         warm-up passes write only the padding slot)."""
-        saved = self.inputs[:, :t].clone(), self.read[:t, :l_].clone()
-        self.inputs[:, :t] = torch.tensor([0, 0, self.PAD_SLOT, 1], device=self.inputs.device)[:, None]
+        saved = [buffer[:t].clone() for buffer in self.inputs], self.read[:t, :l_].clone()
+        for buffer, value in zip(self.inputs, (0, 0, self.PAD_SLOT, 1)):
+            buffer[:t] = value
         self.read[:t, :l_] = self.PAD_SLOT
-        rotary(self.model, self.inputs[1:2, :t], self.lengths[-1])  # the table whole, before capture
+        rotary(self.model, self.inputs[1][None, :t], self.lengths[-1])  # the table whole, before capture
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -208,9 +221,17 @@ class StaticPasses:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits = self._forward(t, l_)
-        self.inputs[:, :t], self.read[:t, :l_] = saved
+        for buffer, value in zip(self.inputs, saved[0]):
+            buffer[:t] = value
+        self.read[:t, :l_] = saved[1]
         log.info("captured a CUDA graph of %d tokens reading up to %d positions", t, l_)
         return graph, logits
+
+
+def _static_pass(model, pool: KVPool, dtype: torch.dtype, ids, positions, writes, read, lengths, end: int):
+    """A static pass: ids, positions, writes, lengths [t]; read [t, L] -> logits [t, vocab]."""
+    plan = Plan(pool, writes, [], dtype, [], by_token=(read, lengths), end=end)
+    return _llama_forward(model, ids[None], positions[None], torch.arange(len(ids), device=ids.device), plan)[0]
 
 
 def _cpu_attention(model, dtype: torch.dtype):
