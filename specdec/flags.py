@@ -82,9 +82,10 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
         help="sessions one forward pass may run together (1: no batching)")
     add(parser, "--max-batch-tokens", env=f"{prefix}_MAX_BATCH_TOKENS", type=int, default=256,
         help="tokens one forward pass computes; a longer prefill runs in chunks between other sessions' rounds")
-    add(parser, "--cuda-graphs", env=f"{prefix}_CUDA_GRAPHS", type=bool, default=False,
-        help="passes of up to 64 tokens in static shapes, replayed from CUDA graphs captured per bucket at "
-             "their first use (Llama-family models on a GPU): the host launches one graph, not each operation")
+    add(parser, "--cuda-graphs", env=f"{prefix}_CUDA_GRAPHS", default="off", choices=["off", "on", "compiled"],
+        help="Llama-family models on a GPU: passes of up to 64 tokens in static shapes, replayed from CUDA graphs "
+             "captured per bucket at their first use (on: the eager operations; compiled: torch.compile's fused "
+             "kernels, about 40 s more to capture a bucket). The host launches one graph, not each operation")
     add(parser, "--prefix-caching", env=f"{prefix}_PREFIX_CACHING", type=bool, default=True,
         help="a session whose prompt starts with blocks another session computed (a system prompt, a chat's "
              "earlier turns) takes their keys and values instead of computing them again")

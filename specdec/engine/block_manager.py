@@ -7,18 +7,23 @@ session outside the pass, which keeps its tokens and recomputes its cache when i
 comes (preemption by recompute).
 
 Prefix caching (as vLLM's automatic prefix caching and nano-vllm's block manager do): a
-full block whose keys and values are computed is known by a hash of its tokens and of
-every token before it. A session admitted with a prompt whose first blocks hash the same
-(a shared system prompt; the earlier turns of a chat) takes those blocks as they are and
-computes only the rest. Blocks are counted by reference; a block nobody holds keeps its
+full block whose keys and values are computed is known by a SHA-256 digest of its tokens
+and of every token before it (the digest of the block before, and its own tokens). A
+session admitted with a prompt whose first blocks have the same digests (a shared system
+prompt; the earlier turns of a chat), and the same tokens, compared on every hit, takes
+those blocks as they are and computes only the rest: a key that collides (Python's hash
+of the tokens could be inverted, so a client could register a block another prompt would
+be served: vLLM's CVE-2025-25183) serves nothing. Blocks are counted by reference; a block nobody holds keeps its
 contents, and is handed out again (oldest first) only when no free block is left. A
 shared block is never written: a session that rolls back into one lets it go and
 computes those positions into a block of its own. The kernels are batch invariant, so
 a block's keys and values are the same bits whoever computed them, in whatever pass."""
 
+import hashlib
 import itertools
 import logging
 import math
+from array import array
 from collections import OrderedDict
 
 import torch
@@ -63,8 +68,9 @@ class BlockManager:
         self.pool = pool
         self.free = list(range(pool.capacity, 0, -1))  # blocks with nothing worth keeping
         self.refs: dict[int, int] = {}  # block -> sessions holding it
-        self.cached: dict[int, int] = {}  # prefix hash -> the block holding its keys and values
-        self.hash_of: dict[int, int] = {}  # the other way
+        self.cached: dict[bytes, int] = {}  # prefix digest -> the block holding its keys and values
+        self.hash_of: dict[int, bytes] = {}  # the other way
+        self.tokens_of: dict[int, tuple[int, ...]] = {}  # a cached block's own tokens, compared on a hit
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
         self.prefix_caching = prefix_caching
         self.holders: set[PagedSequence] = set()  # sessions holding blocks
@@ -87,11 +93,12 @@ class BlockManager:
         """Could the whole pool hold seq?"""
         return self.pool.blocks_for(len(seq.tokens)) <= self.pool.capacity
 
-    def _hashes(self, tokens: list[int], start: list[int]) -> list[int]:
-        """The prefix hashes of tokens' full blocks, after `start` (the hashes held)."""
+    def _hashes(self, tokens: list[int], start: list[bytes]) -> list[bytes]:
+        """The prefix digests of tokens' full blocks, after `start` (the digests held)."""
         bs, out = self.pool.block_size, list(start)
         for i in range(len(start), len(tokens) // bs):
-            out.append(hash((out[-1] if out else None, tuple(tokens[i * bs:(i + 1) * bs]))))
+            out.append(hashlib.sha256((out[-1] if out else b"") + array("q", tokens[i * bs:(i + 1) * bs]).tobytes())
+                       .digest())
         return out
 
     def _take(self, n: int) -> list[int]:
@@ -103,6 +110,7 @@ class BlockManager:
             else:  # the oldest cached block nobody holds
                 block, _ = self.idle.popitem(last=False)
                 del self.cached[self.hash_of.pop(block)]
+                self.tokens_of.pop(block, None)
             self.refs[block] = 1
             taken.append(block)
         return taken
@@ -121,11 +129,12 @@ class BlockManager:
         """Blocks for all of seq's tokens, if the pool has them; the cached blocks of its
         longest known prefix of at most `limit` tokens come as they are."""
         hashes = self._hashes(seq.tokens[:limit], []) if self.prefix_caching else []
-        shared = []
-        for h in hashes:
-            if h not in self.cached:
+        shared, bs = [], self.pool.block_size
+        for i, h in enumerate(hashes):
+            block = self.cached.get(h)
+            if block is None or self.tokens_of.get(block) != tuple(seq.tokens[i * bs:(i + 1) * bs]):
                 break
-            shared.append(self.cached[h])
+            shared.append(block)
         need = self.pool.blocks_for(len(seq.tokens)) - len(shared)
         if need > self.available - sum(block in self.idle for block in shared):
             return False
@@ -171,9 +180,11 @@ class BlockManager:
             return
         known = len(seq.hashes)
         seq.hashes = self._hashes(seq.tokens[:full * self.pool.block_size], seq.hashes)
-        for block, h in zip(seq.blocks[known:full], seq.hashes[known:]):
+        bs = self.pool.block_size
+        for i, (block, h) in enumerate(zip(seq.blocks[known:full], seq.hashes[known:]), known):
             if block not in self.hash_of and h not in self.cached:  # else another block holds the same
                 self.cached[h], self.hash_of[block] = block, h
+                self.tokens_of[block] = tuple(seq.tokens[i * bs:(i + 1) * bs])
 
     def crop(self, seq: PagedSequence) -> bool:
         """seq's cache was cut back to seq.cached: gives back the blocks it no longer

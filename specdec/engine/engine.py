@@ -59,7 +59,7 @@ class Engine:
 
     def __init__(self, model, kv_cache_bytes: int, max_batch_rows: int = 64, max_batch_tokens: int = 256,
                  max_waiting: int = 64, block_size: int = 16, gather: float = 0.25, threads: int = 0,
-                 metrics=None, prefix_caching: bool = True, cuda_graphs: bool = False):
+                 metrics=None, prefix_caching: bool = True, cuda_graphs: bool | str = False):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be >= 1")
         check_supported(model)

@@ -16,22 +16,25 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, short: int, static: bool = False):
+    def __init__(self, model, pool: KVPool, short: int, static: bool | str = False):
         """short: rows of at most this many tokens attend together (a pass's rounds and
         steps); longer ones (prefill chunks) attend in a group of their own. static: passes
-        that fit StaticPasses' buckets run through it (CUDA graphs on a GPU)."""
+        that fit StaticPasses' buckets run through it (CUDA graphs on a GPU); "compiled":
+        through torch.compile too; False or "off": never."""
         model.set_attn_implementation(ATTENTION)
         self.model, self.device, self.pool, self.short = model, model.device, pool, short
         self.plan: Plan | None = None  # the pass running or last run
         self.attention_dtype = attention_dtype(model, model.dtype)
         self.static = None
-        if static:
+        if static and static != "off":
             if not _is_llama(model):
                 raise ValueError("static passes (--cuda-graphs) run Llama-family models only")
             from specdec.modeling import max_positions
 
             self.static = StaticPasses(model, pool, self.attention_dtype, model.device.type == "cuda",
                                        max_positions(model))
+            if static == "compiled":
+                self.static.compile()
         self.kernel = _cpu_attention(model, self.attention_dtype)
         self.forward = _llama_forward if _is_llama(model) else _transformers_forward
         if self.forward is _llama_forward and self.kernel is not None and (stack := _layer_stack(model)):

@@ -49,7 +49,7 @@ class PagedSequence(TokenSequence):
         super().__init__()
         self.engine = engine
         self.blocks: list[int] = []
-        self.hashes: list[int] = []  # prefix hashes of its first full blocks (see block_manager)
+        self.hashes: list[bytes] = []  # prefix digests of its first full blocks (see block_manager)
         self.cached = 0
         self.admitted = 0  # admission order while it holds blocks; 0: holds none
         self.released = False

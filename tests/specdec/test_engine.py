@@ -539,6 +539,37 @@ def test_a_session_with_a_known_prefix_computes_only_the_rest(models):
     assert done.tokens == len(third.tokens) - 32
 
 
+def test_a_prefix_hit_whose_key_collides_serves_nothing_of_another_prompt(models):
+    """A block registered under the key of another prompt's first block (a client that
+    found a second preimage of the key) is not taken: a hit compares the block's own
+    tokens. (Before: keys were Python's hash of the tokens, a hit compared nothing, and
+    the second session was served the first's keys and values.)"""
+    eng = engine(models)
+    first, second = eng.new_sequence(), eng.new_sequence()
+    first.sync(0, tokens(20, 46))
+    eng.forward_now(first, 1)
+    forged = eng.blocks._hashes(tokens(20, 47)[:16], [])[0]  # the key the second prompt's block has
+    with eng.cond:  # as if first's block had been registered under it
+        eng.blocks.cached[forged] = first.blocks[0]
+        eng.blocks.hash_of[first.blocks[0]] = forged
+    second.sync(0, tokens(20, 47))
+    logits, done = eng.forward_now(second, 1)
+    assert eng.blocks.reused_tokens == 0 and done.tokens == 20
+    close(logits, fresh(models, second.tokens, 1))
+
+
+def test_prefix_keys_are_digests_of_every_token_before():
+    from specdec.engine.block_manager import BlockManager, KVPool
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
+    blocks = BlockManager(KVPool(config, 1 << 20, torch.float32, "cpu"))
+    a = blocks._hashes(list(range(48)), [])
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in a)  # SHA-256
+    assert blocks._hashes(list(range(48)), a[:1]) == a
+    b = blocks._hashes([99] + list(range(1, 48)), [])
+    assert all(x != y for x, y in zip(a, b))  # a changed first token changes every later key
+
+
 def test_without_prefix_caching_every_session_computes_its_prompt(models):
     eng = engine(models, prefix_caching=False)
     prefix = tokens(40, 50)
