@@ -28,7 +28,7 @@ from specdec.engine.block_manager import BlockManager, KVPool
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import Pass, Row, Scheduler, Work
 from specdec.engine.sequence import PagedSequence
-from specdec.errors import NeedsResync, Overloaded, RESYNC_DETAIL
+from specdec.errors import NeedsResync, Overloaded, RESYNC_DETAIL, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, self.scheduler.short, static=cuda_graphs)
         self.max_waiting = max_waiting
         self.stopped = False
+        self.failed: Unavailable | None = None  # the engine's thread failed outside a pass: every call fails
         self.pass_seconds = 0.0
         self.threads = threads or DEFAULT_THREADS  # intra-op threads of a pass
         # Totals, for the benchmark and the logs.
@@ -110,6 +111,8 @@ class Engine:
         """Queues work; `again`: the caller will be back with more right after this one
         (the next pass may wait a little for it); `then`: see Work."""
         with self.cond:
+            if self.failed is not None:
+                raise self.failed
             if seq.released:  # closed while the call waited for it: nothing may be admitted for it
                 raise _closed()
             if not self.blocks.fits(seq):
@@ -216,6 +219,23 @@ class Engine:
     # -- the engine's thread ---------------------------------------------------------------
 
     def _loop(self, threads_set: threading.Event) -> None:
+        try:
+            self._serve(threads_set)
+        except Exception as err:  # outside a forward pass: the engine's own state is in doubt
+            log.exception("the engine's thread failed: every call fails from now on")
+            with self.cond:
+                self.failed = Unavailable(f"the model's engine failed ({type(err).__name__}: {err}); "
+                                          "restart the service")
+                self.stopped = True
+                for work in list(self.queue):
+                    work.in_pass = False
+                    if work.future.done():
+                        self.queue.remove(work)
+                    else:
+                        self._finish(work, error=self.failed)
+                self.cond.notify_all()
+
+    def _serve(self, threads_set: threading.Event) -> None:
         torch.set_grad_enabled(False)
         # A thread takes torch's default at its first call; take it now, so that a later
         # change of the default (one_thread_outside_engines) leaves this thread's alone.

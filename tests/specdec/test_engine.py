@@ -570,6 +570,43 @@ def test_prefix_keys_are_digests_of_every_token_before():
     assert all(x != y for x, y in zip(a, b))  # a changed first token changes every later key
 
 
+@pytest.mark.parametrize("where", ["schedule", "_commit", "_picked"])
+def test_an_error_outside_the_pass_fails_every_call_instead_of_hanging(models, monkeypatch, where):
+    """The engine's thread raising outside the forward (its scheduling, a pass's commit, a
+    decode's pick): the calls waiting on it and every later call fail with UNAVAILABLE.
+    (Before: the thread died, and every caller waited forever.)"""
+    from concurrent.futures import TimeoutError as Timeout
+
+    from specdec.errors import Unavailable
+
+    eng = engine(models)
+    target = eng.scheduler if where == "schedule" else eng
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(target, where, broken)
+    seq = eng.new_sequence()
+    seq.sync(0, tokens(10, 48))
+    if where == "_picked":
+        async def decode():
+            async for _ in seq.decode(lambda logits: (int(logits.argmax()), True)):
+                pass
+
+        with pytest.raises(Unavailable, match="engine failed"):
+            asyncio.run(asyncio.wait_for(decode(), 10))
+    else:
+        with pytest.raises(Unavailable, match="engine failed"):
+            try:
+                eng.submit(seq, 1).future.result(timeout=10)
+            except Timeout:
+                pytest.fail("the call was never answered")
+    other = eng.new_sequence()
+    other.sync(0, tokens(5, 49))
+    with pytest.raises(Unavailable):
+        eng.submit(other, 1)
+
+
 def test_without_prefix_caching_every_session_computes_its_prompt(models):
     eng = engine(models, prefix_caching=False)
     prefix = tokens(40, 50)
