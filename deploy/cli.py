@@ -95,6 +95,14 @@ def ray_command(args) -> int:
     if args.ray_command == "up":
         import signal
 
+        try:
+            import ray  # noqa: F401  (the launcher's, imported here to say what is missing)
+        except ModuleNotFoundError as err:
+            if err.name != "ray":
+                raise
+            print("specdec ray up: Ray is not installed here: pip install 'specdec[ray]' (ray==2.60.0), "
+                  "or start the services without Ray: specdec up", file=sys.stderr, flush=True)
+            return 2
         from deploy.ray import launcher
         from deploy import launch
 

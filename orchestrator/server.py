@@ -433,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="file of bearer tokens, one per line: Generate, Complete and the admin service then need "
              "'authorization: Bearer <token>' (health and reflection stay open)")
     security.add_client_flags(parser, "SPECDEC_ORCHESTRATOR")
-    add(parser, "--verifiers", env="SPECDEC_VERIFIER_ADDRESSES", default="127.0.0.1:50053",
+    add(parser, "--verifiers", "--verifier", env="SPECDEC_VERIFIER_ADDRESSES", default="127.0.0.1:50053",
         help="comma-separated verifier replica host:port list (each request keeps one replica for its life; "
              "see orchestrator/verifiers.py)")
     add(parser, "--verifier-dns", env="SPECDEC_VERIFIER_DNS", default="",

@@ -9,8 +9,10 @@ def _parse_bool(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
 
 
-def add(parser: argparse.ArgumentParser, flag: str, *, env: str, default=None, type=str, help: str, **kwargs):
-    """Adds `flag`, whose default comes from the environment variable `env` when set."""
+def add(parser: argparse.ArgumentParser, flag: str, *aliases: str, env: str, default=None, type=str, help: str,
+        **kwargs):
+    """Adds `flag` (and its `aliases`), whose default comes from the environment variable
+    `env` when set."""
     raw = os.environ.get(env)
     if raw is not None:
         default = _parse_bool(raw) if type is bool else type(raw)
@@ -18,7 +20,7 @@ def add(parser: argparse.ArgumentParser, flag: str, *, env: str, default=None, t
         kwargs.setdefault("action", argparse.BooleanOptionalAction)
     else:
         kwargs["type"] = type
-    action = parser.add_argument(flag, default=default, help=f"{help} (env {env}; default: %(default)s)", **kwargs)
+    action = parser.add_argument(flag, *aliases, default=default, help=f"{help} (env {env}; default: %(default)s)", **kwargs)
     action.env = env
 
 

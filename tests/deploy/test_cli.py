@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from deploy import cli
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
@@ -24,3 +26,24 @@ def test_a_stream_without_its_result_is_reported(monkeypatch, capsys):
     assert cli.generate(args) == 1
     out, err = capsys.readouterr()
     assert out.startswith("Half a sen") and "ended without its result" in err
+
+
+def test_ray_up_without_ray_says_what_to_install(monkeypatch, capsys):
+    """(Before: a ModuleNotFoundError traceback.)"""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where the ray extra is not installed
+    monkeypatch.delitem(sys.modules, "deploy.ray.launcher", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["ray", "up"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "Ray is not installed" in err and "pip install 'specdec[ray]'" in err
+
+
+def test_the_orchestrators_earlier_verifier_flag_still_works():
+    """--verifier, the flag the earlier CLI had, is --verifiers' alias. (Before: "ambiguous
+    option: --verifier could match --verifiers, --verifier-dns, --verifier-ray".)"""
+    from orchestrator.server import build_parser
+
+    assert build_parser().parse_args(["--verifier", "127.0.0.1:7"]).verifiers == "127.0.0.1:7"
