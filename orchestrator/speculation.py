@@ -23,6 +23,7 @@ from specdec.lookup import LookupIndex, OutputMemory
 from specdec.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.pool import DrafterPool, Replica
+from orchestrator.tasks import spawn
 
 if TYPE_CHECKING:
     from orchestrator.verifiers import VerifierPool, VerifierReplica
@@ -115,10 +116,7 @@ class VerifierLink:
         """The session's replica's stub; a new replica (a resync) when its own left the set."""
         if self.replica is not None and self.replica.removed:
             log.info("[%s] verifier %s left the replica set; moving on", self.session_id, self.replica.address)
-            with contextlib.suppress(grpc.aio.AioRpcError):  # it may be gone already
-                await self.replica.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id),
-                                                     timeout=5, metadata=self.metadata)
-            self.drop()
+            self.drop()  # closed there once the session has moved
         if self.replica is None:
             self.replica = self.pool.acquire(self.prompt)
             if self.replica is None:
@@ -127,6 +125,7 @@ class VerifierLink:
             if self.left is not None and self.replica is not self.left:
                 log.info("[%s] verifier %s -> %s: a resync", self.session_id, self.left.address,
                          self.replica.address)
+                spawn(self._close_on(self.left))  # alive (draining, or back), it frees the session's blocks now
                 self.left.moved_away += 1
                 self.pool.moved()
                 self.stats.verifier_moves += 1
@@ -135,6 +134,11 @@ class VerifierLink:
                     self.synced = 0
             self.left = None
         return self.replica.stub
+
+    async def _close_on(self, replica: "VerifierReplica") -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):  # gone: its sessions went with it
+            await replica.stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=self.session_id),
+                                            timeout=5, metadata=self.metadata)
 
     def drop(self) -> None:
         """Leaves the replica (it failed or left the set); the next call takes one again."""

@@ -142,6 +142,9 @@ class VerifierPool:
             if self.metrics is not None:
                 for gauge in (self.metrics.verifier_sessions, self.metrics.verifier_free_blocks):
                     gauge.remove(address)
+                for rule in replica.routed:
+                    if replica.routed[rule]:
+                        self.metrics.verifier_routed.remove(address, rule)
             log.info("verifier %s removed (%d replicas); moving its %d sessions", address, len(self.replicas),
                      replica.sessions)
             if replica.sessions == 0:
@@ -273,6 +276,8 @@ class VerifierPool:
 
     def release(self, replica: VerifierReplica) -> None:
         replica.sessions -= 1
+        if replica.sessions == 0:
+            replica.waiting = 0  # its last pass's count: with no session there, nothing will update it
         if replica.removed and replica.sessions == 0:
             spawn(replica.channel.close())
 
@@ -290,6 +295,8 @@ class VerifierPool:
     def mark_down(self, replica: VerifierReplica, err: grpc.aio.AioRpcError) -> None:
         """A call to the replica failed: no new sessions on it for `retry_s`, or until its
         model is checked again."""
+        if replica.down_until == float("inf"):
+            return  # it did not answer its check: down until a check brings it back
         if replica.down_until <= time.monotonic():
             log.warning("verifier %s failed (%s: %s); no new sessions on it for %.1f s", replica.address,
                         err.code().name, err.details(), self.retry_s)

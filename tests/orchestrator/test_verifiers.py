@@ -104,6 +104,7 @@ def run_request(pool, history: list[int], calls: int = 2, after_first=lambda: No
                 after_first()
         if close:
             await link.close(history)
+        await asyncio.sleep(0.01)  # what the link left to run on its own (a close on a replica it left)
 
     asyncio.run(go())
     return stats
@@ -169,3 +170,56 @@ def test_a_request_waits_for_a_replica_while_the_set_is_empty():
         return await link.verify([1, 2, 3], [], [])
 
     assert pool.info is INFO and asyncio.run(go())[1] == 7
+
+
+def test_a_replica_drained_of_sessions_forgets_the_waiting_count_of_its_last_pass():
+    """(Before: a replica whose last pass reported 5 waiting sessions kept a load of 5 at
+    0 sessions, and never got a session again.)"""
+    pool = pool_of(FakeVerifier(), FakeVerifier())
+    v0, v1 = pool.replicas["v0"], pool.replicas["v1"]
+    assert pool.acquire([1]) is v0
+    pool.observe(v0, verifier_pb2.BatchPass(rows=6, tokens=6, seconds=0.02, free_kv_blocks=0, waiting_sessions=5))
+    pool.release(v0)
+    assert pool.acquire([2]) is v1
+    assert pool.acquire([3]) is v0  # 0 sessions against v1's 1
+
+
+def test_a_call_failing_does_not_undo_a_replica_being_down_for_good():
+    """A replica that did not answer its check is down until a check brings it back; a
+    failed call on it must not make that `retry_s`. (Before: mark_down overwrote it, and
+    new sessions went to the dead replica every retry_s.)"""
+    pool = pool_of(FakeVerifier(), FakeVerifier())
+    v0 = pool.replicas["v0"]
+    v0.down_until = float("inf")  # what recheck() sets for a replica that does not answer
+    pool.mark_down(v0, grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "gone"))
+    assert v0.down_until == float("inf")
+
+
+def test_a_session_that_moves_off_a_replica_closes_itself_there():
+    """The replica it left may be alive (a call that timed out or was cancelled there):
+    its blocks go back now, not at the idle timeout. (Before: never closed there.)"""
+    left = FakeVerifier()
+    pool = pool_of(left, FakeVerifier())
+    draining = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, None, None, "stopping")  # alive, draining
+    run_request(pool, [1, 2, 3], calls=3, after_first=lambda: left.errors.append(draining), close=False)
+    assert left.closed == ["s"]
+    assert pool.replicas["v1"].stub.closed == []  # the session lives on there
+
+
+def test_a_removed_replica_leaves_no_metric_series_behind():
+    """(Before: verifier_routed kept a series for every address it ever saw.)"""
+    from specdec.metrics import OrchestratorMetrics
+
+    metrics = OrchestratorMetrics()
+    pool = VerifierPool([], "fp", "tok", metrics=metrics)
+
+    async def go():
+        pool.update(["127.0.0.1:1"])
+        pool.replicas["127.0.0.1:1"].info = INFO
+        assert pool.acquire([1]) is not None
+        pool.update([])
+        await asyncio.sleep(0)
+
+    asyncio.run(go())
+    names = {sample.labels.get("address") for family in metrics.verifier_routed.collect() for sample in family.samples}
+    assert "127.0.0.1:1" not in names
