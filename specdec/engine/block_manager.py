@@ -156,11 +156,17 @@ class BlockManager:
         back from newer sessions (outside `in_pass`)."""
         pool = self.pool
         need = pool.blocks_for(seq.cached + n) - len(seq.blocks)
+        if need <= self.available:
+            newer = []
+        else:
+            newer = sorted((s for s in self.holders if s.admitted > seq.admitted and s not in in_pass),
+                           key=lambda s: s.admitted)
+            if need > self.available + self._freed_by(newer):
+                return False  # evicting them all would not do: nobody is evicted for nothing
         while need > self.available:
-            newer = [s for s in self.holders if s.admitted > seq.admitted and s not in in_pass]
             if not newer:
                 return False
-            victim = max(newer, key=lambda s: s.admitted)
+            victim = newer.pop()  # the newest
             log.info("KV pool full: a session of %d tokens gives its blocks back (it recomputes later)",
                      len(victim.tokens))
             self.evictions += 1
@@ -170,6 +176,14 @@ class BlockManager:
         if need > 0:
             seq.blocks.extend(self._take(need))
         return True
+
+    def _freed_by(self, seqs: list[PagedSequence]) -> int:
+        """Blocks that evicting `seqs` would make available (those no one else holds)."""
+        held: dict[int, int] = {}
+        for seq in seqs:
+            for block in seq.blocks:
+                held[block] = held.get(block, 0) + 1
+        return sum(self.refs[block] == count for block, count in held.items())
 
     def computed(self, seq: PagedSequence) -> None:
         """seq's cache grew: its new full blocks become known by their prefix hashes."""

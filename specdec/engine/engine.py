@@ -251,7 +251,10 @@ class Engine:
                         return
                     if self.queue:
                         self.scheduler.gather_coming(coming, self.pass_seconds, lambda: self.stopped)
-                        if batch := self.scheduler.schedule():
+                        batch = self.scheduler.schedule()
+                        if self._refuse():
+                            continue  # their blocks are free now: schedule again
+                        if batch:
                             break
                     self.cond.wait()
                 for row in batch:
@@ -276,6 +279,16 @@ class Engine:
                 with self.cond:
                     for outcome in decided:
                         self._picked(*outcome, done)
+
+    def _refuse(self) -> bool:
+        """Fails the work whose session outgrew the whole pool (a decode's tokens: a call's
+        are checked at submit), and frees its blocks; -> whether there was any."""
+        refused, self.scheduler.refused = self.scheduler.refused, []
+        for work in refused:
+            self.blocks.evict(work.seq)
+            self._finish(work, error=Overloaded(f"the session holds {len(work.seq.tokens)} tokens; the KV pool "
+                                                f"holds {self.pool.capacity * self.pool.block_size}"))
+        return bool(refused)
 
     def _commit(self, batch: list[Row], logits: torch.Tensor | None, error: Exception | None,
                 done: Pass) -> list[tuple[Work, torch.Tensor]]:

@@ -67,6 +67,7 @@ class Scheduler:
         self.short = max(1, max_batch_tokens // 4)  # rows this short go whole: a round, not a prefill
         self.gather = gather
         self.queue: list[Work] = []
+        self.refused: list[Work] = []  # work whose session outgrew the whole pool (the engine fails it)
         self.orders = itertools.count(1)
 
     def add(self, seq: PagedSequence, last: int, again: bool, then) -> Work:
@@ -120,6 +121,8 @@ class Scheduler:
                 if n <= 0:
                     continue
             if not self.blocks.reserve(seq, n, in_pass):
+                if not self.blocks.fits(seq):  # a decode grew past the whole pool: it never will
+                    self.refused.append(work)
                 continue
             first_wanted = len(seq.tokens) - work.last
             batch.append(Row(work, seq.cached, n, max(0, min(n, seq.cached + n - first_wanted))))

@@ -607,6 +607,51 @@ def test_an_error_outside_the_pass_fails_every_call_instead_of_hanging(models, m
         eng.submit(other, 1)
 
 
+def test_a_reserve_that_cannot_succeed_evicts_nobody():
+    """(Before: it evicted every newer session, then failed anyway.)"""
+    from specdec.engine.block_manager import BlockManager, KVPool
+    from specdec.engine.sequence import PagedSequence
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
+    pool = KVPool(config, 5 * 16 * 2 * 64 * 4, torch.float32, "cpu")  # 4 blocks a session can get
+    blocks = BlockManager(pool, prefix_caching=False)
+    old, new = PagedSequence(None), PagedSequence(None)
+    old.tokens, new.tokens = list(range(32)), list(range(16))
+    assert blocks.admit(old, 0) and blocks.admit(new, 0) and blocks.available == 1
+    old.cached, new.cached = 32, 16  # computed
+    assert not blocks.reserve(old, 64, set())  # 4 more blocks: the free one and new's are not enough
+    assert new.blocks and blocks.evictions == 0
+    assert blocks.reserve(old, 32, set())  # 2 more: new's block and the free one
+    assert not new.blocks and blocks.evictions == 1
+
+
+def test_a_decode_that_outgrows_the_pool_fails_and_stalls_nobody(models):
+    """A session decoding past what the whole pool holds fails RESOURCE_EXHAUSTED, and
+    gives its blocks back. (Before: it stayed queued, holding the pool; every later
+    session waited for it until its deadline.)"""
+    from specdec.errors import Overloaded
+
+    per_token = 2 * 2 * 2 * 16 * 4
+    eng = engine(models, kv_bytes=5 * 16 * per_token)  # 4 blocks of 16 tokens a session can get
+    assert eng.pool.capacity == 4
+    growing, later = eng.new_sequence(), eng.new_sequence()
+    growing.sync(0, tokens(60, 53))
+
+    async def go():
+        async def decode():
+            async for _ in growing.decode(lambda logits: (int(logits.argmax()), True)):
+                pass
+
+        with pytest.raises(Overloaded, match="KV pool"):
+            await asyncio.wait_for(decode(), 10)
+        later.sync(0, tokens(10, 54))
+        return await asyncio.wait_for(later.logits(1), 10)
+
+    logits, _ = asyncio.run(go())
+    close(logits, fresh(models, later.tokens, 1))
+    assert not growing.blocks
+
+
 def test_without_prefix_caching_every_session_computes_its_prompt(models):
     eng = engine(models, prefix_caching=False)
     prefix = tokens(40, 50)
