@@ -15,6 +15,7 @@ pass, whatever the sessions' lengths. The parts, each with one job:
   means for each work (logits, the next decode step, an error, a cancel)."""
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -48,6 +49,15 @@ def one_thread_outside_engines() -> None:
     global _one_thread_elsewhere
     _one_thread_elsewhere = True
     torch.set_num_threads(1)
+
+
+async def _through_cancels(future: asyncio.Future) -> None:
+    """Waits until `future` is done, even when the caller is cancelled again meanwhile (a
+    client's cancel, then the server's shutdown): called while a cancel is handled, whose
+    CancelledError the caller goes on raising."""
+    while not future.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([future])
 
 
 def _closed() -> NeedsResync:
@@ -139,7 +149,7 @@ class Engine:
         except asyncio.CancelledError:
             # The caller goes, but the session must not change under a pass that holds it.
             self.cancel(work)
-            await asyncio.wait([done])
+            await _through_cancels(done)
             if not done.cancelled():
                 done.exception()  # nobody wants it now
             raise
@@ -174,7 +184,7 @@ class Engine:
                 # The caller stops early (or was cancelled): the session must not change
                 # under a pass that holds it.
                 self.cancel(work)
-                await asyncio.wait([finished])
+                await _through_cancels(finished)
             if not finished.cancelled():
                 finished.exception()  # nobody wants it now
 

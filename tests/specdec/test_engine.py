@@ -652,6 +652,45 @@ def test_a_decode_that_outgrows_the_pool_fails_and_stalls_nobody(models):
     assert not growing.blocks
 
 
+@pytest.mark.parametrize("call", ["forward", "decode"])
+def test_a_call_cancelled_twice_still_waits_for_the_pass_that_holds_its_session(models, monkeypatch, call):
+    """A handler cancelled a second time while its pass runs (a client's cancel, then the
+    server's shutdown) must not return before the pass lets its session go: the next call
+    would crop blocks the pass is writing. (Before: the second cancel ended the wait.)"""
+    eng = engine(models)
+    running, release = threading.Event(), threading.Event()
+    real = eng.runner.run
+
+    def run(batch):
+        running.set()
+        release.wait(10)
+        return real(batch)
+
+    monkeypatch.setattr(eng.runner, "run", run)
+    seq = eng.new_sequence()
+    seq.sync(0, tokens(10, 55))
+
+    async def go():
+        async def decode():
+            async for _ in seq.decode(lambda logits: (int(logits.argmax()), True)):
+                pass
+
+        task = asyncio.ensure_future(seq.logits(1) if call == "forward" else decode())
+        while not running.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        task.cancel()  # again, while the pass still holds the session
+        await asyncio.sleep(0.05)
+        held = task.done()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return held
+
+    assert asyncio.run(go()) is False
+
+
 def test_without_prefix_caching_every_session_computes_its_prompt(models):
     eng = engine(models, prefix_caching=False)
     prefix = tokens(40, 50)
