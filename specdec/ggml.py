@@ -234,14 +234,20 @@ def supported(path: str | None) -> bool:
     if not path:
         return False
     _, tensors = _tensors(Path(path))
-    kinds = {int(t.tensor_type) for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2}
+    # The layers' products, and the output head's (the embedding's, where tied): llama.cpp
+    # writes a Q4 file's head in Q6_K where hidden % 256 == 0 (TinyLlama, Llama-3.2-1B).
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    kinds = {int(t.tensor_type) for name, t in tensors.items()
+             if (name.startswith("blk.") and len(t.shape) == 2) or name == head}
     return bool(kinds) and kinds <= set(TYPES) and available()
 
 
 def load_blocks(model, path: str) -> int:
     """Replaces the model's linear layers and embedding by the GGUF file's blocks where
-    they hold exactly its weights; -> how many were replaced."""
+    they hold exactly its weights; -> how many were replaced. ValueError where a linear
+    layer or the output head is left (a block type the kernels do not multiply)."""
     import gguf
+    from gguf import GGMLQuantizationType
 
     arch, tensors = _tensors(Path(path))
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
@@ -274,4 +280,14 @@ def load_blocks(model, path: str) -> int:
                 module = GGUFLinear(packed, kind, weight.shape[1], getattr(child, "bias", None), rows=rows)
             setattr(parent, child_name, module)
             replaced += 1
+    left = [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) or (m is head and not isinstance(m, GGUFLinear))]
+    if left:
+        # A float32 product there would round one row (a step) and several (a verify
+        # pass) differently: the output would not be the target alone's.
+        kinds = {n: GGMLQuantizationType(int(t.tensor_type)).name for n, t in tensors.items()}
+        raise ValueError(f"--quantize gguf: {', '.join(left[:4])}{' ...' if len(left) > 4 else ''} of {path} "
+                         f"cannot run on the file's blocks (the head's tensor is "
+                         f"{kinds.get('output.weight', kinds.get('token_embd.weight'))}; the kernels multiply "
+                         f"{', '.join(TYPES.values())}): use --quantize int8")
     return replaced

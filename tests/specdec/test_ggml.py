@@ -279,3 +279,48 @@ def test_rms_norm_is_llamas_norm_row_by_row():
         assert torch.equal(ours(x[:, t:t + 1])[0, 0], ours(x)[0, t])
     model = torch.nn.Sequential(torch.nn.Linear(576, 576), LlamaRMSNorm(576))
     assert ggml.replace_norms(model) == 1 and isinstance(model[1], ggml.RMSNorm)
+
+
+def write_gguf(path, tensors: dict):
+    """A GGUF file holding `tensors` (name -> (type, rows, cols)) with random blocks."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    draw = np.random.default_rng(0)
+    for name, (kind, rows, cols) in tensors.items():
+        block, size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        raw = draw.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType(kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("head", ["output.weight", "token_embd.weight"])
+def test_a_file_whose_head_is_in_another_block_type_is_not_gguf_supported(tmp_path, head):
+    """llama.cpp writes a Q4 file's output head (or tied embedding) in Q6_K where hidden %
+    256 == 0: --quantize auto must not pick the GGUF path for it. (Before: only the
+    layers' types were looked at.)"""
+    path = tmp_path / "model.gguf"
+    write_gguf(path, {"blk.0.attn_q.weight": (ggml.Q8_0, 256, 256), "token_embd.weight": (ggml.Q8_0, 64, 256),
+                      head: (GGMLQuantizationType.Q6_K, 64, 256)})
+    assert not ggml.supported(str(path))
+    path = tmp_path / "fine.gguf"
+    write_gguf(path, {"blk.0.attn_q.weight": (ggml.Q8_0, 256, 256), head: (ggml.Q8_0, 64, 256)})
+    assert ggml.supported(str(path))
+
+
+def test_a_head_the_kernels_cannot_multiply_is_refused_not_left_in_float32(monkeypatch):
+    """(Before: load_blocks skipped it without a word, and a float32 head multiplied one
+    row and several rows differently: Decode and Verify disagreed.)"""
+    model, _ = modeling.load_model(modeling.DEFAULT_TARGET)
+    real = ggml._blocks_of
+
+    def no_head(weight, tensor, config, name):
+        return None if tensor.name == "token_embd.weight" and name == "lm_head" else real(weight, tensor, config, name)
+
+    monkeypatch.setattr(ggml, "_blocks_of", no_head)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied: its own tensor
+    with pytest.raises(ValueError, match="lm_head .* use --quantize int8"):
+        ggml.load_blocks(model, model.config.specdec_gguf)
