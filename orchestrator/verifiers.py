@@ -51,6 +51,11 @@ def prefix_hashes(tokens: list[int]) -> list[bytes]:
     return hashes
 
 
+def _served(info: common_pb2.ModelInfo) -> tuple:
+    """What replicas must share for a session to move between them with the same output."""
+    return info.model_name, info.max_positions, info.numerics
+
+
 class PrefixOwners:
     """Which replica last took each prompt prefix (bounded, least recently used out)."""
 
@@ -177,11 +182,12 @@ class VerifierPool:
                                    f"target whose tokenizer --tokenizer gives")
         for other in self.replicas.values():
             if other is not replica and other.info is not None and other.problem is None and \
-                    (other.info.model_name, other.info.max_positions) != (info.model_name, info.max_positions):
+                    _served(other.info) != _served(info):
                 raise IncompatiblePair(
-                    f"the verifier at {replica.address} serves {info.model_name!r} ({info.max_positions} positions), "
-                    f"the one at {other.address} {other.info.model_name!r} ({other.info.max_positions}): a "
-                    f"request moved between them would change its output")
+                    f"the verifier at {replica.address} serves {info.model_name!r} ({info.max_positions} positions, "
+                    f"numerics {info.numerics or '?'}), the one at {other.address} {other.info.model_name!r} "
+                    f"({other.info.max_positions}, {other.info.numerics or '?'}): a request moved between them "
+                    f"would change its output")
 
     async def recheck(self, replica: VerifierReplica, wait_s: float = 0.0) -> None:
         """Asks the replica what it serves now: a model that does not fit makes it refuse
@@ -207,8 +213,7 @@ class VerifierPool:
         else:
             if replica.problem is not None:
                 log.info("the verifier at %s serves %s again: taking requests", replica.address, info.model_name)
-            elif replica.info is not None and (replica.info.model_name, replica.info.max_positions) != (
-                    info.model_name, info.max_positions):
+            elif replica.info is not None and _served(replica.info) != _served(info):
                 log.info("the verifier at %s now serves %s (%d positions)", replica.address, info.model_name,
                          info.max_positions)
             replica.problem, replica.info, replica.down_until = None, info, 0.0

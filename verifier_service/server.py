@@ -128,8 +128,9 @@ async def serve(args, on_listen=None) -> None:
 
     async def load():
         model, tokenizer = await asyncio.to_thread(modeling.load_model, args.model, args.dtype, args.device)
-        info = modeling.model_info(model, tokenizer, args.model, "target")
         engine = server.engine(model, args, metrics)
+        info = modeling.model_info(model, tokenizer, args.model, "target")
+        info.numerics = engine.numerics
         # Warm up: a prefill and a multi-token pass, so the first request is not slow.
         seq = engine.new_sequence()
         seq.sync(0, [0, 1, 0, 1])

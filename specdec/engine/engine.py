@@ -109,6 +109,20 @@ class Engine:
         return self.scheduler.queue
 
     @property
+    def numerics(self) -> str:
+        """How this engine's passes compute (quantization, dtype, device type, code path):
+        what replicas that a session moves between must share. Not the thread count: a
+        row's bits do not depend on it."""
+        from specdec.quantize import method_of
+
+        runner = self.runner
+        forward = getattr(runner.forward, "func", runner.forward).__name__
+        path = {"_layer_kernel_forward": "layer-kernel", "_llama_forward": "llama"}.get(forward, "transformers")
+        if runner.static is not None and self.model.device.type == "cuda":
+            path += "+cuda-graphs" + ("-compiled" if runner.static.compiled is not None else "")
+        return f"{method_of(self.model)}/{str(self.model.dtype).removeprefix('torch.')}/{self.model.device.type}/{path}"
+
+    @property
     def evictions(self) -> int:
         return self.blocks.evictions
 

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from orchestrator.speculation import Stats, VerifierLink
+from orchestrator.pool import IncompatiblePair
 from orchestrator.verifiers import PREFIX_CHUNK, VerifierPool, VerifierReplica, prefix_hashes
 from specdec.common.v1 import common_pb2
 from specdec.verifier.v1 import verifier_pb2
@@ -223,3 +224,33 @@ def test_a_removed_replica_leaves_no_metric_series_behind():
     asyncio.run(go())
     names = {sample.labels.get("address") for family in metrics.verifier_routed.collect() for sample in family.samples}
     assert "127.0.0.1:1" not in names
+
+
+def test_replicas_with_other_numerics_do_not_take_each_others_sessions():
+    """Another --quantize, dtype, device or code path on one replica: the same model, but
+    a session moved to it would change its output. (Before: only the model's name and
+    positions were compared.)"""
+    pool = pool_of(FakeVerifier())
+    pool.replicas["v0"].info = common_pb2.ModelInfo(model_name="target", vocab_fingerprint="fp", max_positions=2048,
+                                                    numerics="gguf/float32/cpu/layer-kernel")
+    other = VerifierReplica("v1", NoChannel(), FakeVerifier())
+    pool.replicas["v1"] = other
+    with pytest.raises(IncompatiblePair, match="int8/float32/cpu/llama"):
+        pool.check(other, common_pb2.ModelInfo(model_name="target", vocab_fingerprint="fp", max_positions=2048,
+                                               numerics="int8/float32/cpu/llama"))
+    pool.check(other, pool.replicas["v0"].info)  # the same numerics: fine
+
+
+def test_an_engines_numerics_name_its_quantization_dtype_device_and_path():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.engine import Engine
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2)).eval()
+    engine = Engine(model, 1 << 20)
+    try:
+        assert engine.numerics == "none/float32/cpu/llama"
+    finally:
+        engine.stop()

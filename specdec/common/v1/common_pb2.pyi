@@ -27,7 +27,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "max_positions", "kind", "lookup_min_match", "lookup_max_match")
+    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "max_positions", "kind", "lookup_min_match", "lookup_max_match", "numerics")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class ModelInfo(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_MIN_MATCH_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_MAX_MATCH_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     vocab_fingerprint: str
@@ -44,7 +45,8 @@ class ModelInfo(_message.Message):
     kind: str
     lookup_min_match: int
     lookup_max_match: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., kind: _Optional[str] = ..., lookup_min_match: _Optional[int] = ..., lookup_max_match: _Optional[int] = ...) -> None: ...
+    numerics: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., kind: _Optional[str] = ..., lookup_min_match: _Optional[int] = ..., lookup_max_match: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "tokens", "idle_seconds")
