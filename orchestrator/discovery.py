@@ -13,6 +13,7 @@ current set (a hiccup must not empty the pool)."""
 import asyncio
 import logging
 import socket
+from orchestrator.tasks import cancelling
 
 
 log = logging.getLogger("orchestrator.discovery")
@@ -98,6 +99,8 @@ async def follow(source, pool, interval_s: float, what: str = "drafters") -> Non
         try:
             addresses = await source.addresses()
         except Exception as err:  # a lookup failure of any kind keeps the current set
+            if cancelling():  # a lookup over gRPC ended by our own cancel (shutdown)
+                raise asyncio.CancelledError from err
             log.warning("looking up %s (%s) failed: %s; keeping %d replicas", what, source.kind, err,
                         len(pool.replicas))
         else:

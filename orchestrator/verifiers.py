@@ -33,7 +33,7 @@ from specdec.common.v1 import common_pb2
 from specdec.security import aio_channel
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from orchestrator.pool import IncompatiblePair, wait_for_info
-from orchestrator.tasks import spawn
+from orchestrator.tasks import cancelling, spawn
 
 log = logging.getLogger("orchestrator.verifiers")
 
@@ -198,6 +198,8 @@ class VerifierPool:
             else:
                 info = (await replica.stub.GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=5)).info
         except grpc.aio.AioRpcError as err:
+            if cancelling():  # the call ended by our own cancel (shutdown), not by the replica
+                raise asyncio.CancelledError from err
             if replica.info is not None and replica.down_until != float("inf"):
                 log.warning("verifier %s does not answer (%s: %s); no new sessions on it until it does",
                             replica.address, err.code().name, err.details())

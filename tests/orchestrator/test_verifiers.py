@@ -254,3 +254,47 @@ def test_an_engines_numerics_name_its_quantization_dtype_device_and_path():
         assert engine.numerics == "none/float32/cpu/llama"
     finally:
         engine.stop()
+
+
+def test_a_watcher_cancelled_during_a_check_ends():
+    """grpc's asyncio calls answer their task's cancel with a CANCELLED error: a watcher
+    cancelled in a check must end, not take it for a replica that does not answer and go
+    on. (Before: the watcher went on, logging "does not answer", and kept an orchestrator
+    stopped on SIGTERM from exiting.)"""
+
+    class Channel(NoChannel):
+        def get_state(self, try_to_connect=False):
+            return grpc.ChannelConnectivity.READY
+
+        async def wait_for_state_change(self, state):
+            await asyncio.sleep(3600)
+
+    class Stub:
+        def __init__(self):
+            self.calls = 0
+
+        async def GetModelInfo(self, request, timeout=None):
+            self.calls += 1
+            if self.calls == 1:
+                return verifier_pb2.GetModelInfoResponse(info=INFO)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:  # as grpc.aio does
+                raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, None, None, "Locally cancelled by application!")
+
+    async def go():
+        pool = VerifierPool([], "fp", "tok", refresh_s=0.05)
+        replica = VerifierReplica("v0", Channel(), Stub())
+        pool.replicas["v0"] = replica
+        watcher = asyncio.ensure_future(pool.watch(replica))
+        while replica.stub.calls < 2:
+            await asyncio.sleep(0.01)
+        watcher.cancel()
+        done, _ = await asyncio.wait({watcher}, timeout=2)
+        return bool(done)
+
+    loop = asyncio.new_event_loop()  # not asyncio.run: its shutdown would wait for a watcher that never ends
+    try:
+        assert loop.run_until_complete(go()), "the watcher went on after its cancel"
+    finally:
+        loop.close()
