@@ -13,6 +13,7 @@ current set (a hiccup must not empty the pool)."""
 import asyncio
 import logging
 import socket
+
 from orchestrator.tasks import cancelling
 
 

@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,11 +37,7 @@ def cpu():
     from specdec.modeling import cache_root
 
     sources = [_HERE / name for name in SOURCES]
-    # -march=native: built on the machine that runs it; the key keeps builds for other
-    # CPUs, torch versions and sources apart (a shared cache, a baked image).
-    key = hashlib.sha256(b"".join((_HERE / name).read_bytes() for name in SOURCES + HEADERS) + torch.__version__.encode()
-                         + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
-    build = cache_root() / "kernels" / f"cpu-{key}"
+    build = cache_root() / "kernels" / f"cpu-{build_key()}"
     try:
         build.mkdir(parents=True, exist_ok=True)
         writable = os.access(build, os.W_OK) or (build / "specdec_cpu.so").exists()
@@ -57,6 +54,17 @@ def cpu():
                                     verbose=False)
     log.info("CPU kernels ready in %.1f s (%s)", time.monotonic() - started, build)
     return module
+
+
+def build_key() -> str:
+    """The build's directory key. -march=native: built on the machine that runs it; the key
+    keeps builds for other CPUs, torch versions and sources apart (a shared cache, a baked
+    image), and for other environments: a build's files name its environment's include
+    paths, so two virtual environments sharing one directory rebuilt it (two minutes) at
+    every start that alternated between them."""
+    return hashlib.sha256(b"".join((_HERE / name).read_bytes() for name in SOURCES + HEADERS)
+                          + torch.__version__.encode() + platform.machine().encode() + _cpu_flags().encode()
+                          + sys.prefix.encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager

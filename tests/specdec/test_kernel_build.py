@@ -23,3 +23,16 @@ def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_load(tmp_path):
     done = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "loaded"
+
+
+def test_each_environment_builds_in_a_directory_of_its_own(monkeypatch):
+    """A test venv beside a service's: each keeps its own build. (Before: both shared one
+    directory whose build files named one venv's include paths, and every start that
+    alternated between them rebuilt the kernels, about two minutes.)"""
+    import sys
+
+    from specdec import kernels
+
+    here = kernels.build_key()
+    monkeypatch.setattr(sys, "prefix", "/opt/another-venv")
+    assert kernels.build_key() != here
