@@ -233,19 +233,25 @@ def test_every_block_comes_back(models):
     assert eng.blocks.available == eng.pool.capacity and not eng.blocks.holders and not eng.queue
 
 
+def hold_passes(eng, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Every pass waits, once it has started, for the gate -> (started, gate)."""
+    started, gate = threading.Event(), threading.Event()
+    real = eng.runner.run
+
+    def held(batch):
+        started.set()
+        gate.wait(10)
+        return real(batch)
+
+    monkeypatch.setattr(eng.runner, "run", held)
+    return started, gate
+
+
 def test_sessions_closed_during_a_pass_do_not_fill_the_waiting_queue(models, monkeypatch):
     """A client cancel releases a session whose row is in the running pass; new sessions
     arriving meanwhile are admitted (memory is free), not refused as if it were full."""
     eng = engine(models, max_waiting=1)
-    entered, gate = threading.Event(), threading.Event()
-    real = eng.runner.run
-
-    def slow(batch):
-        entered.set()
-        gate.wait(10)
-        return real(batch)
-
-    monkeypatch.setattr(eng.runner, "run", slow)
+    entered, gate = hold_passes(eng, monkeypatch)
     closing = eng.new_sequence()
     closing.sync(0, tokens(10, 1))
     work = eng.submit(closing, 1)
@@ -658,15 +664,7 @@ def test_a_call_cancelled_twice_still_waits_for_the_pass_that_holds_its_session(
     server's shutdown) must not return before the pass lets its session go: the next call
     would crop blocks the pass is writing. (Before: the second cancel ended the wait.)"""
     eng = engine(models)
-    running, release = threading.Event(), threading.Event()
-    real = eng.runner.run
-
-    def run(batch):
-        running.set()
-        release.wait(10)
-        return real(batch)
-
-    monkeypatch.setattr(eng.runner, "run", run)
+    running, release = hold_passes(eng, monkeypatch)
     seq = eng.new_sequence()
     seq.sync(0, tokens(10, 55))
 
