@@ -90,8 +90,13 @@ class TextStream:
         self.text = text
         self._advance()
         end = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD
-        for held in range(min(end - self.sent, max((len(s) - 1 for s in self.stop), default=0)), 0, -1):
-            if any(s.startswith(text[end - held:end]) for s in self.stop):
+        # The start of a stop string is held back; where a clean-up may still remove a space
+        # ("n '" + "t" is "n't"), a start with spaces in it too.
+        reach = max((len(s) - 1 for s in self.stop), default=0) + (CLEANUP_REACH if self.cleans_up else 0)
+        for held in range(min(end - self.sent, reach), 0, -1):
+            tail = text[end - held:end]
+            if any(s.startswith(tail) or (self.cleans_up and tail.replace(" ", "") and
+                                          s.startswith(tail.replace(" ", ""))) for s in self.stop):
                 end -= held
                 break
         if self.cleans_up:
