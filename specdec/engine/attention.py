@@ -45,7 +45,7 @@ class Plan:
     # own, from (slots [T, L] its row reads, padded; positions each token attends [T]);
     # `groups` is then empty, and the pass is never abandoned (a CUDA graph runs whole).
     by_token: tuple[torch.Tensor, torch.Tensor] | None = None
-    # One past the pass's last position, where the caller knows it (no device read for it).
+    # One past the pass's last position (known on the host: the rotary table reads no device).
     end: int | None = None
     # Set once every row's caller has gone, for a pass that runs its layers in one kernel
     # call (specdec/kernels/layer_cpu.cpp): it reads it before each layer.

@@ -4,7 +4,6 @@ import functools
 import logging
 import weakref
 
-import numpy as np
 import torch
 
 from specdec.engine.attention import ATTENTION, Abandoned, Group, Plan, paged_attention
@@ -58,7 +57,7 @@ class ModelRunner:
                   for row, offset in zip(batch, offsets)]
         writes = [slots[row.start:] for row, _, slots in placed]
         plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), [], self.attention_dtype,
-                    [row.work for row in batch])
+                    [row.work for row in batch], end=max(positions) + 1)
         if self.kernel is not None:
             plan.kernel = self.kernel
             plan.table = (torch.nn.utils.rnn.pad_sequence([slots for _, _, slots in placed], batch_first=True),
@@ -166,8 +165,7 @@ class StaticPasses:
         block, at = self.pool.block_size, 0
         for row in batch:
             end = row.start + row.n
-            blocks = np.asarray(row.work.seq.blocks[:-(-end // block)], dtype=np.int64)
-            slots = (blocks[:, None] * block + np.arange(block)).ravel()[:end]
+            slots = row.work.seq.slot_array(end, block)
             inputs[2, at:at + row.n] = slots[row.start:]
             read[at:at + row.n, :end] = slots
             at += row.n
@@ -282,12 +280,12 @@ class RotaryTable:
         self.like = torch.empty(0, dtype=model.dtype, device=model.device)  # the dtype and device it computes for
         self.cos = self.sin = None  # [positions, head_dim]
 
-    def __call__(self, positions: torch.Tensor, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [1, T], all below `end` where the caller knows it (else they are read
-        from the device) -> cos, sin [1, T, head_dim]"""
+    def __call__(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [1, T], all below `end` (known on the host: no read from the device)
+        -> cos, sin [1, T, head_dim]"""
         held = 0 if self.cos is None else len(self.cos)
-        if (need := end if end is not None else int(positions.max()) + 1) > held:
-            self._grow(max(need, 2 * held, 256))
+        if end > held:
+            self._grow(max(end, 2 * held, 256))
         return self.cos[positions], self.sin[positions]
 
     def _grow(self, size: int) -> None:
@@ -302,9 +300,9 @@ class RotaryTable:
 _rotary_tables: "weakref.WeakKeyDictionary[torch.nn.Module, RotaryTable]" = weakref.WeakKeyDictionary()
 
 
-def rotary(model, positions: torch.Tensor, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [1, T, head_dim] of positions [1, T] (all below `end`, where known), from
-    the model's RotaryTable."""
+def rotary(model, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [1, T, head_dim] of positions [1, T] (all below `end`), from the model's
+    RotaryTable."""
     if (table := _rotary_tables.get(model)) is None:
         table = _rotary_tables[model] = RotaryTable(model)
     return table(positions, end)

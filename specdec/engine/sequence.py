@@ -7,6 +7,7 @@ tokens: its cache is recomputed from them."""
 
 import math
 
+import numpy as np
 import torch
 
 from specdec.errors import NeedsResync, RESYNC_DETAIL
@@ -71,5 +72,9 @@ class PagedSequence(TokenSequence):
 
     def slots(self, end: int, block_size: int, device) -> torch.Tensor:
         """Pool slots of positions [0, end). -> [end]"""
-        blocks = torch.tensor(self.blocks[:math.ceil(end / block_size)], dtype=torch.long, device=device)
-        return (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:end]
+        return torch.from_numpy(self.slot_array(end, block_size)).to(device)
+
+    def slot_array(self, end: int, block_size: int) -> np.ndarray:
+        """slots(), on the host."""
+        blocks = np.asarray(self.blocks[:math.ceil(end / block_size)], dtype=np.int64)
+        return (blocks[:, None] * block_size + np.arange(block_size)).ravel()[:end]

@@ -91,6 +91,11 @@ def test_a_replica_down_or_serving_another_model_takes_no_sessions():
     assert pool.problem == "another model"
 
 
+async def others_done() -> None:
+    """Waits for every task but the caller's to end."""
+    await asyncio.gather(*(task for task in asyncio.all_tasks() if task is not asyncio.current_task()))
+
+
 def run_request(pool, history: list[int], calls: int = 2, after_first=lambda: None, close: bool = True) -> Stats:
     """A request's link making `calls` Verify calls, each committing token 7, with
     `after_first()` between the first and the second; then closed."""
@@ -105,7 +110,7 @@ def run_request(pool, history: list[int], calls: int = 2, after_first=lambda: No
                 after_first()
         if close:
             await link.close(history)
-        await asyncio.sleep(0.01)  # what the link left to run on its own (a close on a replica it left)
+        await others_done()  # what the link left to run on its own (a close on a replica it left)
 
     asyncio.run(go())
     return stats
@@ -219,7 +224,6 @@ def test_a_removed_replica_leaves_no_metric_series_behind():
         pool.replicas["127.0.0.1:1"].info = INFO
         assert pool.acquire([1]) is not None
         pool.update([])
-        await asyncio.sleep(0)
 
     asyncio.run(go())
     names = {sample.labels.get("address") for family in metrics.verifier_routed.collect() for sample in family.samples}
@@ -287,8 +291,11 @@ def test_a_watcher_cancelled_during_a_check_ends():
         replica = VerifierReplica("v0", Channel(), Stub())
         pool.replicas["v0"] = replica
         watcher = asyncio.ensure_future(pool.watch(replica))
-        while replica.stub.calls < 2:
-            await asyncio.sleep(0.01)
+        async def in_second_check():
+            while replica.stub.calls < 2:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(in_second_check(), 5)
         watcher.cancel()
         done, _ = await asyncio.wait({watcher}, timeout=2)
         return bool(done)

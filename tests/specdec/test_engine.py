@@ -674,17 +674,20 @@ def test_a_call_cancelled_twice_still_waits_for_the_pass_that_holds_its_session(
                 pass
 
         task = asyncio.ensure_future(seq.logits(1) if call == "forward" else decode())
-        while not running.is_set():
-            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(running.wait, 10)
         task.cancel()
-        await asyncio.sleep(0.05)
+
+        async def cancel_taken():  # the handler has marked its work cancelled, and waits for the pass
+            while not all(work.cancelled for work in eng.queue):
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(cancel_taken(), 5)
         task.cancel()  # again, while the pass still holds the session
-        await asyncio.sleep(0.05)
-        held = task.done()
+        done, _ = await asyncio.wait({task}, timeout=0.5)  # (before: it ended here at once)
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return held
+        return bool(done)
 
     assert asyncio.run(go()) is False
 

@@ -81,7 +81,7 @@ def test_the_default_targets_operations_give_a_row_the_same_bits_in_any_pass(tar
     like = torch.empty(0)
     for n in THREADS:
         with threads(n):
-            cos, sin = rotary(target, positions.flip(-1))  # a pass's positions in any order
+            cos, sin = rotary(target, positions.flip(-1), PROMPT)  # a pass's positions in any order
             for p in range(0, PROMPT, 7):
                 one_cos, one_sin = target.model.rotary_emb(like, torch.tensor([[p]]))
                 assert torch.equal(cos[0, PROMPT - 1 - p], one_cos[0, 0]) and torch.equal(sin[0, PROMPT - 1 - p],
