@@ -180,14 +180,14 @@ class _LocalVerifier:
         request = verifier_pb2.VerifyRequest(start=self.synced, new_tokens=history[self.synced:],
                                              draft_tokens=drafts, draft_probs=qs, sampling=self.params)
         self.synced = len(history)
-        accepted, token, done = await self.verify_round(self.seq, request)
+        accepted, token, done, _ = await self.verify_round(self.seq, request)
         return accepted, token, done
 
     async def decode(self, history, max_tokens, stop):
         request = verifier_pb2.DecodeRequest(start=self.synced, new_tokens=history[self.synced:],
                                              sampling=self.params, max_tokens=max_tokens, stop_token_ids=sorted(stop))
         self.synced = len(history)
-        async for token, done in self.decode_run(self.seq, request, modeling.max_positions(self.engine.model)):
+        async for token, done, _ in self.decode_run(self.seq, request, modeling.max_positions(self.engine.model)):
             yield token, done
 
     def close(self):

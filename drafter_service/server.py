@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from specdec import flags, logs, modeling, sampling, server, tracing
+from specdec import eagle, features, flags, logs, modeling, sampling, server, tracing
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.engine import one_thread_outside_engines
@@ -15,7 +15,7 @@ from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
-from drafter_service.proposers import HybridProposer, ModelProposer, NgramProposer, Proposer
+from drafter_service.proposers import FeatureProposer, HybridProposer, ModelProposer, NgramProposer, Proposer
 
 log = logging.getLogger("drafter")
 
@@ -33,6 +33,20 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
         self.proposer = proposer
         super().ready(proposer.info(), store, metrics)
 
+    def check_features(self, request: drafter_pb2.ProposeRequest) -> None:
+        """INVALID_ARGUMENT naming the field unless the features are of committed
+        positions before the last, as wide as this drafter reads them."""
+        if not request.HasField("features"):
+            return
+        if not self.info.feature_layers:
+            raise InvalidArgument("features", f"this drafter ({self.info.kind}) drafts from no features")
+        features.check("features", request.features, self.info.hidden_size * len(self.info.feature_layers))
+        committed = request.start + len(request.new_tokens)
+        if request.features.start + request.features.rows > committed - 1:
+            raise InvalidArgument("features", f"positions [{request.features.start}, "
+                                              f"{request.features.start + request.features.rows}) reach past "
+                                              f"the last committed token's ({committed - 1})")
+
     async def Propose(self, request: drafter_pb2.ProposeRequest, context):
         logs.bind_from(context, request.session_id)
         try:
@@ -45,11 +59,13 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
             if request.start == 0 and not request.new_tokens:
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
             check_length("new_tokens", request.start + len(request.new_tokens), self.info)
+            self.check_features(request)
             session = self.store.get(request.session_id, request.start)
             with tracing.server_span("drafter.Propose", context, session_id=request.session_id, k=k,
                                      new_tokens=len(request.new_tokens)):
                 async with self.model_work(session) as seq:  # a cancelled call's last step ends before the next
                     seq.sync(request.start, list(request.new_tokens))
+                    self.proposer.take_features(seq, request.features)
                     k = min(k, self.info.max_positions - len(seq.tokens))
                     proposer = self.proposer.by_model() if request.model_drafts else self.proposer
                     if proposer is None:
@@ -70,9 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
               help="model: a small causal LM (--model); ngram: prompt lookup, no model; hybrid: prompt lookup "
                    "when the context holds a match of --lookup-min-match tokens, the model otherwise")
     flags.add(parser, "--model", env="SPECDEC_DRAFTER_MODEL", default=modeling.DEFAULT_DRAFT,
-              help="draft model: a directory, a hub id or a .gguf file (with --proposer model or hybrid); the "
-                   "default is the draft distilled from the default target")
+              help="draft model: a directory, a hub id or a .gguf file (with --proposer model or hybrid), or an "
+                   "EAGLE-3 head's directory (it drafts from the target's features); the default is the draft "
+                   "distilled from the default target")
     flags.add_session_service_flags(parser, "SPECDEC_DRAFTER")
+    flags.add(parser, "--feature-window", env="SPECDEC_DRAFTER_FEATURE_WINDOW", type=int, default=None,
+              help="with an EAGLE-3 head as --model: the most positions back it attends (default: the head's "
+                   "own, or 256); the orchestrator keeps this many of the target's features a request")
     flags.add(parser, "--max-draft-support", env="SPECDEC_DRAFTER_MAX_DRAFT_SUPPORT", type=int, default=64,
               help="when sampling, draft from the top N tokens of q and send them")
     flags.add(parser, "--ngram-max", env="SPECDEC_DRAFTER_NGRAM_MAX", type=int, default=4,
@@ -89,10 +109,17 @@ def make_proposer(args, metrics=None) -> Proposer:
         return NgramProposer(args.ngram_max, args.ngram_min)
     if not args.model:
         raise SystemExit("--proposer model needs --model")
-    model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
-    output_ids = modeling.restrict_output(model, args.model)
-    proposer = ModelProposer(server.engine(model, args, metrics), tokenizer, args.model, args.max_draft_support,
-                             output_ids)
+    path = modeling.resolve(args.model)
+    if eagle.is_head(path):
+        head = eagle.load_head(path, dtype=modeling.DTYPES[args.dtype], device=args.device,
+                               window=args.feature_window)
+        proposer = FeatureProposer(head, modeling.load_tokenizer(path), args.model, args.threads,
+                                   args.max_draft_support)
+    else:
+        model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
+        output_ids = modeling.restrict_output(model, args.model)
+        proposer = ModelProposer(server.engine(model, args, metrics), tokenizer, args.model,
+                                 args.max_draft_support, output_ids)
     if args.proposer == "hybrid":
         return HybridProposer(proposer, NgramProposer(max(args.ngram_max, args.lookup_min_match),
                                                       args.lookup_min_match))
@@ -111,6 +138,11 @@ async def serve(args, on_listen=None) -> None:
         # Warm up: a few drafts on a throwaway sequence, so the first request is not slow.
         seq = proposer.new_sequence()
         seq.sync(0, [0, 1, 0, 1])
+        info = proposer.info()
+        if info.feature_layers:  # zeros for features: the head's passes run once, as they will
+            width = info.hidden_size * len(info.feature_layers)
+            proposer.take_features(seq, common_pb2.Features(start=0, rows=3, width=width,
+                                                            data=bytes(3 * width * features.BYTES)))
         async for _ in proposer.propose(seq, 2, common_pb2.SamplingParams(top_p=1.0)):
             pass
         proposer.release(seq)

@@ -36,6 +36,24 @@ def check_vocab(address: str, info, target_fingerprint: str, target_name: str) -
             f"{target_name!r}: a draft model must share the target's tokenizer")
 
 
+def check_features(address: str, info, target_layers: int, target_hidden: int, target_name: str) -> None:
+    """A feature drafter reads layers the target has, as wide as the target's."""
+    if not info.feature_layers or not target_layers:  # target_layers 0: a verifier that does not say
+        return
+    if max(info.feature_layers) > target_layers or info.hidden_size != target_hidden:
+        raise IncompatiblePair(
+            f"drafter {address} serves {info.model_name!r}, a head that reads layers {list(info.feature_layers)} "
+            f"{info.hidden_size} wide; the target {target_name!r} has {target_layers} layers {target_hidden} wide")
+
+
+@dataclass(frozen=True)
+class FeatureRule:
+    """What a deployment's feature drafters read: the target's layers, and how many
+    positions back (the features a request keeps for a resync)."""
+    layers: tuple[int, ...]
+    window: int
+
+
 async def wait_for_info(stub, request, wait_s: float):
     """The service's ModelInfo once it has loaded its model (UNAVAILABLE until then)."""
     deadline = time.monotonic() + wait_s
@@ -67,14 +85,18 @@ class DrafterPool:
     """The current replica set, from a static list or from discovery (`update`)."""
 
     def __init__(self, addresses: list[str], target_fingerprint: str, target_name: str, retry_s: float = 2.0,
-                 credentials: grpc.ChannelCredentials | None = None, options=()):
+                 credentials: grpc.ChannelCredentials | None = None, options=(), target_layers: int = 0,
+                 target_hidden: int = 0):
         self.target_fingerprint, self.target_name = target_fingerprint, target_name
+        self.target_layers, self.target_hidden = target_layers, target_hidden
         self.retry_s = retry_s
         self.credentials, self.options = credentials, [*CHANNEL_OPTIONS, *options]
         self.replicas: dict[str, Replica] = {}
         # The drafters' prompt-lookup rule (min, max match), as the last replica checked
         # says (a deployment's replicas run one configuration); None: they never look up.
         self.lookup_rule: tuple[int, int] | None = None
+        # Likewise, what they draft from besides tokens: None, or the target's features.
+        self.feature_rule: FeatureRule | None = None
         self.update(addresses)
 
     def update(self, addresses: list[str]) -> None:
@@ -97,8 +119,11 @@ class DrafterPool:
         """Checks the replica's vocabulary against the target's (IncompatiblePair)."""
         info = await wait_for_info(replica.stub, drafter_pb2.GetModelInfoRequest(), wait_s)
         check_vocab(replica.address, info, self.target_fingerprint, self.target_name)
+        check_features(replica.address, info, self.target_layers, self.target_hidden, self.target_name)
         replica.checked = True
         self.lookup_rule = (info.lookup_min_match, info.lookup_max_match) if info.lookup_max_match > 0 else None
+        self.feature_rule = FeatureRule(tuple(info.feature_layers), info.feature_window) \
+            if info.feature_layers else None
 
     async def acquire(self) -> Replica | None:
         """The least-loaded healthy replica, or None: the request goes on without one."""

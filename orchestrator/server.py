@@ -28,7 +28,7 @@ from orchestrator.openai_api import OpenAIFront
 from specdec.metrics import OrchestratorMetrics
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
-from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink, speculate
+from orchestrator.speculation import Deadline, DrafterLink, FeatureFeed, Stats, VerifierLink, speculate
 from orchestrator.verifiers import ROUTINGS, VerifierPool
 from orchestrator.text import TextStream
 
@@ -205,14 +205,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         stats = Stats(on_round=metrics.round)
         deadline = Deadline(context.time_remaining())
         labelled = logs.request_metadata(req.label)
+        # A feature drafter drafts from the target's features: the verifier sends them with its tokens.
+        feed = FeatureFeed(self.pool.feature_rule) if self.pool.feature_rule is not None else None
         verifier = VerifierLink(self.verifiers, session_id, req.prompt, req.params, stats,
                                 self.limits.verifier_timeout_s,
-                                retry_s=self.limits.verifier_retry_s, deadline=deadline, metadata=labelled)
+                                retry_s=self.limits.verifier_retry_s, deadline=deadline, metadata=labelled,
+                                features=feed)
         # Greedy requests only draft from other requests' outputs: a sampled request's tokens
         # depend on its drafts (their distribution does not), and its seed must reproduce them.
         drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
                               deadline=deadline, metadata=labelled,
                               memory=self.output_memory if sampling.is_greedy(req.params) else None)
+        drafter.features = feed
         text = TextStream(self.tokenizer, req.stop)
         self.in_flight[session_id] = Flight(req.label, session_id, drafter, verifier, text)
         outcome, code, last = "cancelled", "CANCELLED", None  # what the finally records unless told otherwise
@@ -301,7 +305,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 accepted_per_position=stats.accepted_per_position, lookaheads=stats.lookaheads,
                 lookahead_hits=stats.lookahead_hits, draft_seconds=stats.draft_s, verify_seconds=stats.verify_s,
                 mean_batch_rows=stats.pass_rows / stats.rounds if stats.rounds else 0.0,
-                verifier_moves=stats.verifier_moves),
+                verifier_moves=stats.verifier_moves, feature_bytes_received=stats.feature_bytes,
+                feature_bytes_sent=stats.feature_bytes_sent),
         )
 
 
@@ -544,7 +549,7 @@ async def serve(args, on_listen=None) -> None:
         source = replica_source(args.drafters, args.drafter_dns, args.drafter_ray, args)
         addresses = await source.addresses()
         pool = DrafterPool(addresses, info.vocab_fingerprint, info.model_name, credentials=credentials,
-                           options=options)
+                           options=options, target_layers=info.num_layers, target_hidden=info.hidden_size)
         for replica in pool.replicas.values():
             try:
                 await pool.check(replica, wait_s=args.startup_timeout)

@@ -17,12 +17,12 @@ from opentelemetry import context as otel_context, trace
 
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
-from specdec import tracing
+from specdec import features, tracing
 from specdec.errors import needs_resync
 from specdec.lookup import LookupIndex, OutputMemory
 from specdec.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
-from orchestrator.pool import DrafterPool, Replica
+from orchestrator.pool import DrafterPool, FeatureRule, Replica
 from orchestrator.tasks import spawn
 
 if TYPE_CHECKING:
@@ -75,6 +75,8 @@ class Stats:
     runs_cut: int = 0  # runs of the target alone stopped early for a lookup round
     probes_beside_runs: int = 0  # drafts checked against a run's tokens, not verified in a round
     lookups_checked: int = 0  # tokens of runs checked against the lookup's next token
+    feature_bytes: int = 0  # the target's features the verifier sent (a feature drafter's)
+    feature_bytes_sent: int = 0  # and those sent on to drafters (a resync sends a window again)
     # Called after each round with (K asked, drafts verified, accepted, drafter call seconds
     # or None, verifier call seconds): the deployment's metrics.
     on_round: Callable[[int, int, int, float | None, float], None] | None = None
@@ -94,6 +96,21 @@ class Stats:
             self.accepted_per_position[i] += 1
 
 
+class FeatureFeed:
+    """A request's path for the target's features, for a feature drafter: the verifier
+    sends those of each committed position once (from the first one the window lacks),
+    the window keeps the last `rule.window`, and the drafter gets each once (a drafter
+    that lost the session: the window again)."""
+
+    def __init__(self, rule: FeatureRule):
+        self.layers = list(rule.layers)
+        self.window = features.Window(rule.window)
+
+    def request(self, committed: int) -> verifier_pb2.FeatureRequest:
+        first = min(max(self.window.end, committed - self.window.size), committed - 1)
+        return verifier_pb2.FeatureRequest(layers=self.layers, first_position=max(0, first))
+
+
 class VerifierLink:
     """A request's session on one verifier replica, which the pool picks by the request's
     prompt and load at its first call. The replica losing the session costs a resync; a
@@ -103,8 +120,9 @@ class VerifierLink:
 
     def __init__(self, pool: "VerifierPool", session_id: str, prompt: list[int],
                  params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retry_s: float = 15.0,
-                 deadline: Deadline = Deadline(None), metadata=()):
+                 deadline: Deadline = Deadline(None), metadata=(), features: "FeatureFeed | None" = None):
         self.pool, self.session_id, self.prompt = pool, session_id, prompt
+        self.features = features  # the target's features a feature drafter reads, kept as they come
         self.params, self.stats = params, stats
         self.metadata = metadata  # the request's label, for the service's logs
         self.timeout_s, self.retry_s, self.deadline = timeout_s, retry_s, deadline
@@ -158,7 +176,8 @@ class VerifierLink:
                 stub = await self._stub()
                 request = verifier_pb2.VerifyRequest(
                     session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
-                    draft_tokens=drafts, draft_probs=qs, sampling=self.params)
+                    draft_tokens=drafts, draft_probs=qs, sampling=self.params,
+                    features=self.features and self.features.request(len(history)))
                 response = await stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s),
                                              metadata=self.metadata + tracing.headers())
             except grpc.aio.AioRpcError as err:
@@ -166,7 +185,13 @@ class VerifierLink:
                 continue
             self.synced = len(history)
             self._answered(response.batch_pass)
+            self._features(response)
             return response.num_accepted, response.next_token, response.batch_pass
+
+    def _features(self, response) -> None:
+        if self.features is not None and response.HasField("features"):
+            self.features.window.add(response.features)
+            self.stats.feature_bytes += len(response.features.data)
 
     async def decode(self, history: list[int], max_tokens: int, stop: set[int]
                      ) -> AsyncIterator[tuple[int, verifier_pb2.BatchPass]]:
@@ -181,13 +206,15 @@ class VerifierLink:
                 sent = history + got
                 request = verifier_pb2.DecodeRequest(
                     session_id=self.session_id, start=self.synced, new_tokens=sent[self.synced:],
-                    sampling=self.params, max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop))
+                    sampling=self.params, max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop),
+                    features=self.features and self.features.request(len(sent)))
                 call = stub.Decode(request, timeout=self.deadline.timeout(self.timeout_s),
                                    metadata=self.metadata + tracing.headers())
                 async for message in call:
                     got.append(message.token_id)
                     self.synced = len(history) + len(got)  # it holds each token it picked
                     self._answered(message.batch_pass)
+                    self._features(message)
                     yield message.token_id, message.batch_pass
             except grpc.aio.AioRpcError as err:
                 await retry.after(err)
@@ -266,6 +293,8 @@ class DrafterLink:
         self.synced = 0
         self.refused = False  # a replica refused this request: it goes on without drafts
         self.lookup: LookupIndex | None = None  # the drafters' lookup rule over this request's history
+        self.features: FeatureFeed | None = None  # for a feature drafter (set with the verifier's)
+        self.features_held = 0  # the replica holds the features of positions before this one
 
     def lookup_drafts(self, history: list[int], k: int) -> list[int]:
         """Drafts by prompt lookup after `history` (up to k), by the rule the drafters
@@ -322,11 +351,21 @@ class DrafterLink:
                 self.stats.drafter_failovers += 1
         return [], []
 
+    def _features_for(self, committed: int) -> common_pb2.Features | None:
+        """The features the replica lacks, up to the position before the last committed one."""
+        if self.features is None:
+            return None
+        window = self.features.window
+        if self.synced == 0:
+            self.features_held = 0  # a new session there: the window again
+        return window.since(max(self.features_held, window.start, committed - 1 - window.size), committed - 1)
+
     async def _propose(self, history: list[int], k: int, committed: int):
         while True:
+            features = self._features_for(committed)
             request = drafter_pb2.ProposeRequest(
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
-                num_draft_tokens=k, sampling=self.params, model_drafts=True)
+                num_draft_tokens=k, sampling=self.params, model_drafts=True, features=features)
             drafts, qs = [], []
             try:
                 async for draft in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s),
@@ -343,6 +382,9 @@ class DrafterLink:
                     continue
                 raise
             self.synced = committed
+            if features is not None:
+                self.features_held = features.start + features.rows
+                self.stats.feature_bytes_sent += len(features.data)
             if qs and len(qs) != len(drafts):
                 # A draft without its distribution would be verified as one-hot: drop them all.
                 log.error("[%s] drafter %s sent %d distributions for %d drafts; ignoring its drafts",

@@ -22,7 +22,7 @@ import grpc
 from specdec.common.v1 import common_pb2
 from orchestrator.kpolicy import FixedK, RoundCosts
 from orchestrator.pool import DrafterPool
-from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink, speculate
+from orchestrator.speculation import Deadline, DrafterLink, FeatureFeed, Stats, VerifierLink, speculate
 from orchestrator.verifiers import VerifierPool
 
 log = logging.getLogger("orchestrator")
@@ -69,9 +69,11 @@ async def measure_costs(costs: RoundCosts, verifiers: VerifierPool, drafters: Dr
     params = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
     history = list(tokenizer(TEXT)["input_ids"])
     deadline = Deadline(60.0)
+    feed = FeatureFeed(drafters.feature_rule) if drafters.feature_rule is not None else None
     verifier = VerifierLink(verifiers, session_id, history, params, stats, verifier_timeout_s, retry_s=0.0,
-                            deadline=deadline)
+                            deadline=deadline, features=feed)
     drafter = DrafterLink(drafters, session_id, params, stats, drafter_timeout_s, deadline=deadline)
+    drafter.features = feed
     started = time.monotonic()
     # (K, tokens, drafts asked for beside a run). The run's first call prefills the text
     # (not measured); the next is steps alone, then two runs of steps with a probe of one

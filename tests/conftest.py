@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from cluster import as_tested  # noqa: E402
-from models import build_llama, noisy_copy, word_tokenizer  # noqa: E402
+from models import build_llama, eagle_head_for, noisy_copy, word_tokenizer  # noqa: E402
 from specdec import modeling  # noqa: E402
 
 
@@ -38,3 +38,11 @@ def micro_pair(tmp_path_factory):
     target = build_llama(tok, root / "target", seed=3, hidden=32, init_range=0.5)
     noisy_copy(target, tok, root / "draft", noise=0.5, seed=4)
     return root / "target", root / "draft", as_tested(target)
+
+
+@pytest.fixture(scope="session")
+def micro_head(micro_pair, tmp_path_factory):
+    """A random EAGLE-3 head for the micro target: a feature drafter whose drafts the
+    target rejects often."""
+    return eagle_head_for(micro_pair[2], word_tokenizer(MICRO_WORDS), tmp_path_factory.mktemp("micro-head") / "head",
+                          seed=5)

@@ -53,3 +53,29 @@ def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=words[0], unk_token=words[1])
+
+
+def eagle_head_for(model: LlamaForCausalLM, tokenizer, path: Path, *, seed: int, spread: float = 0.3) -> Path:
+    """An EAGLE-3 head for `model`, random (each weight N(0, spread)) but for the target's
+    embedding, in the SpecForge format with the target's tokenizer: it reads the target's
+    first, middle and last layers' inputs. Its drafts agree with the target by chance only."""
+    from specdec import eagle
+
+    torch.manual_seed(seed)
+    config = model.config
+    layer = {k: v for k, v in config.to_dict().items() if k in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+        "vocab_size", "max_position_embeddings", "hidden_act", "rope_parameters", "rope_theta")}
+    layer["num_hidden_layers"] = 1
+    layers = config.num_hidden_layers
+    head = eagle.Eagle3Head(eagle.HeadConfig(layer=layer, draft_vocab=config.vocab_size,
+                                             target_hidden=config.hidden_size,
+                                             aux_layers=(0, layers // 2, layers)))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, spread)
+        head.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    eagle.save_head(head, path, dtype=torch.float32)
+    tokenizer.save_pretrained(path)
+    return path

@@ -12,38 +12,54 @@ from typing import AsyncIterator
 import torch
 
 from specdec import sampling
+from specdec.features import encode as encode_features
 from specdec.common.v1 import common_pb2
 from specdec.engine import PagedSequence, Pass
 from specdec.sampling import Draws
 from specdec.verifier.v1 import verifier_pb2
 
 
-async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest) -> tuple[int, int, Pass]:
+async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest
+                 ) -> tuple[int, int, Pass, common_pb2.Features | None]:
     """One round on a session: bring the cache to the committed history, run the target
     once over the new tokens and the drafts (in a pass shared with the other sessions
-    ready at the same time), and apply the acceptance rule."""
+    ready at the same time), and apply the acceptance rule. -> (accepted, the target's
+    token, the pass, the features asked for)."""
     seq.sync(request.start, list(request.new_tokens))
     n = len(seq.tokens)  # committed length: drafts start here
     drafts = list(request.draft_tokens)
     seq.extend(drafts)
-    logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
+    layers, first = tuple(request.features.layers), request.features.first_position
+    rows = features = None
+    if layers:  # the features come from the pass's rows from `first` on: it computes them
+        logits, done, rows = await seq.logits(max(len(drafts) + 1, len(seq.tokens) - first), layers=layers)
+        logits = logits[-(len(drafts) + 1):]
+    else:
+        logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
     params = request.sampling
     if sampling.is_greedy(params):
-        return (*accept_greedy(logits.argmax(dim=-1).tolist(), drafts), done)
-    # The rule runs on the host, from one copy of p per round (K+1 rows): its draws
-    # come from host generators keyed by position, whatever the model's device.
-    p = sampling.probs(logits, params).cpu()
-    q = dense_q(list(request.draft_probs), drafts, p.shape[-1])
-    return (*accept_sampled(p, q, drafts, n, Draws(params.seed, "accept"), Draws(params.seed, "target")), done)
+        accepted, token = accept_greedy(logits.argmax(dim=-1).tolist(), drafts)
+    else:
+        # The rule runs on the host, from one copy of p per round (K+1 rows): its draws
+        # come from host generators keyed by position, whatever the model's device.
+        p = sampling.probs(logits, params).cpu()
+        q = dense_q(list(request.draft_probs), drafts, p.shape[-1])
+        accepted, token = accept_sampled(p, q, drafts, n, Draws(params.seed, "accept"), Draws(params.seed, "target"))
+    if rows is not None:
+        # Positions [first, n + accepted): each one's next token is committed.
+        computed_from = len(seq.tokens) - len(rows)
+        features = encode_features(first, rows[first - computed_from:n + accepted - computed_from])
+    return accepted, token, done, features
 
 
 async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_positions: int
-                 ) -> AsyncIterator[tuple[int, Pass]]:
+                 ) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
     """The target alone on a session: bring the cache to the committed history, then one
     token per pass (each pass shared with the other sessions ready), each picked as a
     round without drafts would pick it, until max_tokens, a stop token or the model's
-    limit."""
+    limit. With each token, the features asked for of the positions its pass computed."""
     seq.sync(request.start, list(request.new_tokens))
+    layers, first = tuple(request.features.layers), request.features.first_position
     end = len(seq.tokens) + min(request.max_tokens, max_positions - len(seq.tokens))
     stop, params = set(request.stop_token_ids), request.sampling
 
@@ -51,9 +67,16 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
         token = own_token(logits, params, len(seq.tokens))
         return token, token not in stop and len(seq.tokens) + 1 < end
 
-    async with contextlib.aclosing(seq.decode(pick)) as steps:  # closed with this generator
-        async for token, done in steps:
-            yield token, done
+    if not layers:
+        async with contextlib.aclosing(seq.decode(pick)) as steps:  # closed with this generator
+            async for token, done in steps:
+                yield token, done, None
+        return
+    position = first  # of the first row of the next pass's features
+    async with contextlib.aclosing(seq.decode(pick, layers, len(seq.tokens) - first)) as steps:
+        async for token, done, rows in steps:
+            yield token, done, encode_features(position, rows)
+            position += len(rows)
 
 
 def own_token(logits: torch.Tensor, params: common_pb2.SamplingParams, position: int) -> int:

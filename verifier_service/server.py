@@ -24,6 +24,7 @@ log = logging.getLogger("verifier")
 MAX_DRAFT_TOKENS = 64
 MAX_STOP_TOKENS = 64
 MAX_DECODE_TOKENS = 1024
+MAX_FEATURE_LAYERS = 8
 
 
 def batch_pass(done) -> verifier_pb2.BatchPass:
@@ -55,6 +56,20 @@ def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> N
 class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
     pb = verifier_pb2
 
+    def check_features(self, features: verifier_pb2.FeatureRequest, committed: int) -> None:
+        """INVALID_ARGUMENT naming the field unless the layers exist and the first position
+        is a committed one."""
+        layers = list(features.layers)
+        if not layers:
+            return
+        if len(layers) > MAX_FEATURE_LAYERS or len(set(layers)) != len(layers):
+            raise InvalidArgument("features.layers", f"at most {MAX_FEATURE_LAYERS} distinct layers, got {layers}")
+        if not all(0 <= layer <= self.info.num_layers for layer in layers):
+            raise InvalidArgument("features.layers", f"must be in [0, {self.info.num_layers}], got {layers}")
+        if not 0 <= features.first_position < committed:
+            raise InvalidArgument("features.first_position", f"must be in [0, {committed - 1}] (a committed "
+                                                             f"position), got {features.first_position}")
+
     async def Verify(self, request: verifier_pb2.VerifyRequest, context):
         logs.bind_from(context, request.session_id)
         try:
@@ -69,15 +84,15 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
             check_length("draft_tokens", request.start + len(request.new_tokens) + len(request.draft_tokens) + 1,
                          self.info)
+            self.check_features(request.features, request.start + len(request.new_tokens))
             session = self.store.get(request.session_id, request.start)
             with tracing.server_span("verifier.Verify", context, session_id=request.session_id,
                                      new_tokens=len(request.new_tokens), drafts=len(request.draft_tokens)) as span:
                 async with self.model_work(session) as seq:
-                    a, t, done = await verify(seq, request)
+                    a, t, done, features = await verify(seq, request)
                 span.set_attributes({"accepted": a, "batch_rows": done.rows})
-            return verifier_pb2.VerifyResponse(
-                num_accepted=a, next_token=t,
-                batch_pass=batch_pass(done))
+            return verifier_pb2.VerifyResponse(num_accepted=a, next_token=t, batch_pass=batch_pass(done),
+                                               features=features)
         except ServiceError as err:
             await abort(context, err)
 
@@ -96,6 +111,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             if request.start == 0 and not request.new_tokens:
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
             check_length("new_tokens", request.start + len(request.new_tokens) + 1, self.info)
+            self.check_features(request.features, request.start + len(request.new_tokens))
             session = self.store.get(request.session_id, request.start)
             with tracing.server_span("verifier.Decode", context, session_id=request.session_id,
                                      new_tokens=len(request.new_tokens), max_tokens=request.max_tokens):
@@ -104,8 +120,9 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                     # that cancels leaves this generator at its yield): the decoding must end
                     # before another call may touch the session.
                     async with contextlib.aclosing(decode(seq, request, self.info.max_positions)) as steps:
-                        async for token, done in steps:
-                            yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done))
+                        async for token, done, features in steps:
+                            yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done),
+                                                              features=features)
         except ServiceError as err:
             await abort(context, err)
 
@@ -131,6 +148,7 @@ async def serve(args, on_listen=None) -> None:
         engine = server.engine(model, args, metrics)
         info = modeling.model_info(model, tokenizer, args.model, "target")
         info.numerics = engine.numerics
+        info.num_layers, info.hidden_size = model.config.num_hidden_layers, model.config.hidden_size
         # Warm up: a prefill and a multi-token pass, so the first request is not slow.
         seq = engine.new_sequence()
         seq.sync(0, [0, 1, 0, 1])

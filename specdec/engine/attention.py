@@ -47,6 +47,11 @@ class Plan:
     by_token: tuple[torch.Tensor, torch.Tensor] | None = None
     # One past the pass's last position (known on the host: the rotary table reads no device).
     end: int | None = None
+    # Layers whose input (the residual stream entering it; the number of layers: the last
+    # one's output) the pass keeps at the positions it keeps logits of, for a feature
+    # drafter; the forward fills `features` {layer: [kept, hidden]}.
+    feature_layers: tuple[int, ...] = ()
+    features: dict | None = None
     # Set once every row's caller has gone, for a pass that runs its layers in one kernel
     # call (specdec/kernels/layer_cpu.cpp): it reads it before each layer.
     stop: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.uint8))

@@ -131,9 +131,11 @@ class Engine:
 
     # -- calls (any thread) --------------------------------------------------------------
 
-    def submit(self, seq: PagedSequence, last: int, again: bool = True, then=None) -> Work:
+    def submit(self, seq: PagedSequence, last: int, again: bool = True, then=None, layers: tuple[int, ...] = ()
+               ) -> Work:
         """Queues work; `again`: the caller will be back with more right after this one
-        (the next pass may wait a little for it); `then`: see Work."""
+        (the next pass may wait a little for it); `then`: see Work; `layers`: the target's
+        features at these layers come with the logits (Plan.feature_layers)."""
         with self.cond:
             if self.failed is not None:
                 raise self.failed
@@ -149,14 +151,15 @@ class Engine:
                     raise Overloaded(f"{waiting} sessions are waiting for KV memory")
             seq.cached = min(seq.cached, len(seq.tokens) - last)  # logits come from computing those positions
             self.blocks.crop(seq)  # never into a cached block
-            work = self.scheduler.add(seq, last, again, then)
+            work = self.scheduler.add(seq, last, again, then, tuple(layers))
             self.cond.notify()
         return work
 
-    async def forward(self, seq: PagedSequence, last: int, again: bool = True) -> tuple[torch.Tensor, Pass]:
+    async def forward(self, seq: PagedSequence, last: int, again: bool = True, layers: tuple[int, ...] = ()):
         """Logits after each of the last `last` tokens of seq ([last, vocab]), and the
-        pass that finished them."""
-        work = self.submit(seq, last, again)
+        pass that finished them; with `layers`, the features at those positions too
+        ([last, len(layers) * hidden], the layers in the order given)."""
+        work = self.submit(seq, last, again, layers=layers)
         done = asyncio.wrap_future(work.future)
         try:
             return await asyncio.shield(done)
@@ -168,23 +171,26 @@ class Engine:
                 done.exception()  # nobody wants it now
             raise
 
-    async def decode(self, seq: PagedSequence, pick: Callable[[torch.Tensor], tuple[int, bool]]
-                     ) -> AsyncIterator[tuple[int, Pass]]:
+    async def decode(self, seq: PagedSequence, pick: Callable[[torch.Tensor], tuple[int, bool]],
+                     layers: tuple[int, ...] = (), last: int = 1
+                     ) -> AsyncIterator[tuple]:
         """The target alone, one token per pass: pick(logits after the last token [vocab])
         gives the next token and whether to go on. The token joins the sequence, and the
         session the next pass, on the engine's thread: no hand-off to the caller between
         passes, whose cost (a thread switch, the caller's own work) would fall on every
-        token. Yields each (token, pass) as it is picked; the last token is not computed."""
+        token. Yields each (token, pass) as it is picked; the last token is not computed.
+        With `layers`: (token, pass, features), the features of the positions the pass
+        computed (the first pass: the last `last` of the sequence; then one a pass)."""
         loop = asyncio.get_running_loop()
         picked: asyncio.Queue = asyncio.Queue()
 
-        def then(logits: torch.Tensor, done: Pass) -> bool:
+        def then(logits: torch.Tensor, done: Pass, features: torch.Tensor | None) -> bool:
             token, go_on = pick(logits[-1])
             seq.extend([token])
-            loop.call_soon_threadsafe(picked.put_nowait, (token, done))
+            loop.call_soon_threadsafe(picked.put_nowait, (token, done, features) if layers else (token, done))
             return go_on
 
-        work = self.submit(seq, 1, then=then)
+        work = self.submit(seq, last, then=then, layers=layers)
         finished = asyncio.wrap_future(work.future)
         # The work's end comes through the same queue, behind every token picked before it:
         # one wait per token, not a wait on two futures.
@@ -286,20 +292,20 @@ class Engine:
                 coming = {row.work.seq for row in batch if row.work.again}
             started = time.perf_counter()
             try:
-                logits, error = self.runner.run(batch), None
+                (logits, features), error = self.runner.run(batch), None
             except Abandoned:
-                logits, error = None, None
+                logits, features, error = None, None, None
             except Exception as err:  # a failed pass fails its rows, never the engine
                 log.exception("forward pass of %d rows failed", len(batch))
-                logits, error = None, err
+                logits, features, error = None, None, err
             done = Pass(len(batch), sum(row.n for row in batch), time.perf_counter() - started)
             with self.cond:
                 done.free_blocks, done.waiting = self.blocks.available, self.scheduler.waiting()
-                deciding = self._commit(batch, logits, error, done)
+                deciding = self._commit(batch, logits, features, error, done)
             if deciding:
                 # Decode steps pick their tokens outside the lock: a pick (softmax, sampling, a
                 # copy to the host) must not hold up the calls of the service's event loop.
-                decided = [(work, logits, *self._pick(work, logits, done)) for work, logits in deciding]
+                decided = [(work, logits, *self._pick(work, logits, feats, done)) for work, logits, feats in deciding]
                 with self.cond:
                     for outcome in decided:
                         self._picked(*outcome, done)
@@ -314,8 +320,8 @@ class Engine:
                                                 f"holds {self.pool.capacity * self.pool.block_size}"))
         return bool(refused)
 
-    def _commit(self, batch: list[Row], logits: torch.Tensor | None, error: Exception | None,
-                done: Pass) -> list[tuple[Work, torch.Tensor]]:
+    def _commit(self, batch: list[Row], logits: torch.Tensor | None, features: dict | None,
+                error: Exception | None, done: Pass) -> list[tuple[Work, torch.Tensor, torch.Tensor | None]]:
         """A pass's end for each of its works; -> the decode steps whose token is to be
         picked (still marked in the pass, so that nothing frees their session meanwhile)."""
         self.passes += 1
@@ -357,26 +363,31 @@ class Engine:
                 if row.start <= len(seq.tokens) - work.last:
                     # This row computes from the first wanted position on: logits of earlier
                     # passes are of a cache since preempted (recomputed now), not to be kept twice.
-                    work.parts = []
+                    work.parts, work.feature_parts = [], []
                 work.parts.append(logits[kept:kept + row.wanted])
+                if work.layers:
+                    work.feature_parts.append(torch.cat([features[layer][kept:kept + row.wanted]
+                                                         for layer in work.layers], dim=-1))
                 if work.cancelled:
                     self._finish(work)
                 elif work.remaining == 0:
                     finished = work.parts[0] if len(work.parts) == 1 else torch.cat(work.parts)
+                    feats = torch.cat(work.feature_parts) if work.layers else None
                     if work.then is None:
-                        self._finish(work, result=(finished, done))
+                        self._finish(work, result=(finished, done, feats) if work.layers else (finished, done))
                     else:
                         work.in_pass = True
-                        deciding.append((work, finished))
+                        deciding.append((work, finished, feats))
             kept += row.wanted
         self.cond.notify()
         return deciding
 
     @staticmethod
-    def _pick(work: Work, logits: torch.Tensor, done: Pass) -> tuple[bool, Exception | None]:
+    def _pick(work: Work, logits: torch.Tensor, features: torch.Tensor | None, done: Pass
+              ) -> tuple[bool, Exception | None]:
         """Without the lock: -> (go on decoding, the pick's error)."""
         try:
-            return work.then(logits, done), None
+            return work.then(logits, done, features), None
         except Exception as err:  # the caller's pick failed: its work ends, never the engine
             return False, err
 
@@ -390,7 +401,7 @@ class Engine:
         elif work.cancelled:
             self._finish(work)
         elif go_on:  # the token just picked is the work's next pass
-            work.parts = []
+            work.parts, work.feature_parts = [], []
         else:
             self._finish(work, result=(logits, done))
 

@@ -36,12 +36,13 @@ class ModelRunner:
                 self.static.compile()
         self.kernel = _cpu_attention(model, self.attention_dtype)
         self.forward = _llama_forward if _is_llama(model) else _transformers_forward
-        if self.forward is _llama_forward and self.kernel is not None and (stack := _layer_stack(model)):
-            self.forward = functools.partial(_layer_kernel_forward, stack)
+        if self.forward is _llama_forward and self.kernel is not None and (stacks := _LayerStacks.of(model)):
+            self.forward = functools.partial(_layer_kernel_forward, stacks)
 
-    def run(self, batch: list[Row]) -> torch.Tensor:
+    def run(self, batch: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
         """One forward over every row's next tokens; -> logits of the wanted positions
-        [sum of the rows' wanted, vocab]."""
+        [sum of the rows' wanted, vocab], and where a row asked for them, the features at
+        the same positions {layer: [sum of the rows' wanted, hidden]}."""
         device, block_size = self.device, self.pool.block_size
         ids, positions, keep, offsets = [], [], [], []
         for row in batch:
@@ -50,14 +51,16 @@ class ModelRunner:
             keep += range(len(ids) + row.n - row.wanted, len(ids) + row.n)
             ids += seq.tokens[start:end]
             positions += range(start, end)
-        if self.static is not None and (logits := self.static.run(batch, ids, positions, keep)) is not None:
-            return logits
+        layers = tuple(sorted({layer for row in batch for layer in row.work.layers}))
+        if self.static is not None and not layers and \
+                (logits := self.static.run(batch, ids, positions, keep)) is not None:
+            return logits, None
         # Each row with its offset in the packed tokens and the slots it reads, its own last.
         placed = [(row, offset, row.work.seq.slots(row.start + row.n, block_size, device))
                   for row, offset in zip(batch, offsets)]
         writes = [slots[row.start:] for row, _, slots in placed]
         plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), [], self.attention_dtype,
-                    [row.work for row in batch], end=max(positions) + 1)
+                    [row.work for row in batch], end=max(positions) + 1, feature_layers=layers)
         if self.kernel is not None:
             plan.kernel = self.kernel
             plan.table = (torch.nn.utils.rnn.pad_sequence([slots for _, _, slots in placed], batch_first=True),
@@ -74,7 +77,7 @@ class ModelRunner:
                                   torch.tensor(keep, dtype=torch.long, device=device), plan)[0].float()
         if device.type == "cuda":  # the pass's time is read right after: let it end first
             torch.cuda.synchronize(device)
-        return logits
+        return logits, plan.features
 
     def stop_if_abandoned(self) -> None:
         """Called after a work of the running pass is cancelled: where every row's caller has
@@ -252,8 +255,11 @@ def _cpu_attention(model, dtype: torch.dtype):
 
 def _transformers_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
     """ids, positions: [1, T]; keep: [k] -> logits [1, k, vocab]."""
-    return model(input_ids=ids, position_ids=positions, logits_to_keep=keep, use_cache=False,
-                 specdec_plan=plan).logits
+    out = model(input_ids=ids, position_ids=positions, logits_to_keep=keep, use_cache=False,
+                specdec_plan=plan, output_hidden_states=bool(plan.feature_layers))
+    if plan.feature_layers:
+        plan.features = {layer: out.hidden_states[layer][0, keep] for layer in plan.feature_layers}
+    return out.logits
 
 
 def _is_llama(model) -> bool:
@@ -319,7 +325,11 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
     h = inner.embed_tokens(ids)  # [1, T, hidden]
     cos, sin = rotary(model, positions, plan.end)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, head_dim]
-    for layer in inner.layers:
+    if plan.feature_layers:
+        plan.features = {}
+    for index, layer in enumerate(inner.layers):
+        if index in plan.feature_layers:
+            plan.features[index] = h[0, keep]
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         shape = (*x.shape[:-1], -1, attn.head_dim)
@@ -348,17 +358,38 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
             h = h + mlp.down_proj(mlp.act_fn(gate_up[..., :gate_end]) * gate_up[..., gate_end:])
         else:
             h = h + mlp(x)
+    if len(inner.layers) in plan.feature_layers:
+        plan.features[len(inner.layers)] = h[0, keep]
     return model.lm_head(inner.norm(h)[:, keep])
 
 
-def _layer_stack(model):
-    """specdec/kernels/layer_cpu.cpp's `LlamaStack` over the decoder layers of a Llama
-    model on GGUF blocks (q, k and v as one product; gate and up as one; the norms in
-    their kernel; silu), or None where a layer is otherwise: _llama_forward runs it."""
+class _LayerStacks:
+    """The model's decoder layers in `LlamaStack`s: all of them in one, and the runs
+    between the layers whose features a pass keeps, each built at its first use."""
+
+    def __init__(self, model, whole):
+        self.model, self.count = model, len(model.model.layers)
+        self.built = {(0, self.count): whole}
+
+    @classmethod
+    def of(cls, model) -> "_LayerStacks | None":
+        whole = _layer_stack(model)
+        return None if whole is None else cls(model, whole)
+
+    def get(self, start: int, end: int):
+        if (stack := self.built.get((start, end))) is None:
+            stack = self.built[(start, end)] = _layer_stack(self.model, start, end)
+        return stack
+
+
+def _layer_stack(model, start: int = 0, end: int | None = None):
+    """specdec/kernels/layer_cpu.cpp's `LlamaStack` over the decoder layers [start, end)
+    of a Llama model on GGUF blocks (q, k and v as one product; gate and up as one; the
+    norms in their kernel; silu), or None where a layer is otherwise: _llama_forward runs it."""
     from specdec import ggml
     from specdec.kernels import cpu
 
-    config, layers, norms, weights, kinds = model.config, model.model.layers, [], [], []
+    config, layers, norms, weights, kinds = model.config, model.model.layers[start:end], [], [], []
     if getattr(config, "hidden_act", None) != "silu":
         return None
     first = layers[0]
@@ -383,15 +414,25 @@ def _layer_stack(model):
                             first.self_attn.scaling)
 
 
-def _layer_kernel_forward(stack, model, ids, positions, keep, plan: Plan) -> torch.Tensor:
-    """_llama_forward with every decoder layer in one kernel call (`LlamaStack.forward`,
-    whose file says why): the same operations on each element, so the same bits."""
+def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, plan: Plan) -> torch.Tensor:
+    """_llama_forward with the decoder layers in one kernel call (`LlamaStack.forward`,
+    whose file says why), or one a run between the layers whose features the pass keeps:
+    the same operations on each element, so the same bits."""
     inner = model.model
-    h = inner.embed_tokens(ids)  # [1, T, hidden]
+    h = inner.embed_tokens(ids)[0]  # [T, hidden]
     cos, sin = rotary(model, positions, plan.end)
     if plan.abandoned():
         raise Abandoned  # before the first layer writes
-    h = stack.forward(h[0], cos[0], sin[0], plan.pool.k, plan.pool.v, plan.write_slots, *plan.table, plan.stop)
-    if h is None:
-        raise Abandoned  # what the layers before it wrote lies past the rows' cached positions: not counted
+    bounds = sorted({0, stacks.count, *plan.feature_layers})
+    if plan.feature_layers:
+        plan.features = {}
+    for start, end in zip(bounds, bounds[1:]):
+        if start in plan.feature_layers:
+            plan.features[start] = h[keep]
+        h = stacks.get(start, end).forward(h, cos[0], sin[0], plan.pool.k[start:end], plan.pool.v[start:end],
+                                           plan.write_slots, *plan.table, plan.stop)
+        if h is None:
+            raise Abandoned  # what the layers before it wrote lies past the rows' cached positions: not counted
+    if stacks.count in plan.feature_layers:
+        plan.features[stacks.count] = h[keep]
     return model.lm_head(inner.norm(h[None])[:, keep])

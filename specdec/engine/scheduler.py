@@ -39,6 +39,9 @@ class Work:
     then: Callable[[torch.Tensor, Pass], bool] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     parts: list[torch.Tensor] = field(default_factory=list)  # logits from earlier chunks
+    # The target's features wanted with the logits: at these layers (see Plan.feature_layers).
+    layers: tuple[int, ...] = ()
+    feature_parts: list[torch.Tensor] = field(default_factory=list)
     cancelled: bool = False
     in_pass: bool = False
 
@@ -70,8 +73,8 @@ class Scheduler:
         self.refused: list[Work] = []  # work whose session outgrew the whole pool (the engine fails it)
         self.orders = itertools.count(1)
 
-    def add(self, seq: PagedSequence, last: int, again: bool, then) -> Work:
-        work = Work(seq, last, next(self.orders), again, then)
+    def add(self, seq: PagedSequence, last: int, again: bool, then, layers: tuple[int, ...] = ()) -> Work:
+        work = Work(seq, last, next(self.orders), again, then, layers=layers)
         self.queue.append(work)
         return work
 

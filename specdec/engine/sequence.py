@@ -60,15 +60,15 @@ class PagedSequence(TokenSequence):
         self.engine.crop(self, kept)
         return kept
 
-    async def logits(self, last: int, again: bool = True):
+    async def logits(self, last: int, again: bool = True, layers: tuple[int, ...] = ()):
         """Computes what is not cached; -> (logits after each of the last `last` tokens
-        [last, vocab], the engine's Pass that finished them). `again`: more calls follow
-        soon (the engine may wait a moment for them to batch)."""
-        return await self.engine.forward(self, last, again)
+        [last, vocab], the engine's Pass that finished them[, the features at `layers`]).
+        `again`: more calls follow soon (the engine may wait a moment for them to batch)."""
+        return await self.engine.forward(self, last, again, layers)
 
-    def decode(self, pick):
+    def decode(self, pick, layers: tuple[int, ...] = (), last: int = 1):
         """Decodes from here, one token per pass (Engine.decode)."""
-        return self.engine.decode(self, pick)
+        return self.engine.decode(self, pick, layers, last)
 
     def slots(self, end: int, block_size: int, device) -> torch.Tensor:
         """Pool slots of positions [0, end). -> [end]"""

@@ -19,20 +19,24 @@ SAMPLES = 1200
 
 
 @pytest.fixture(scope="module")
-def micro_cluster(micro_pair):
+def micro_cluster(micro_pair, micro_head):
     """One verifier and drafter; an orchestrator that drafts each round after the last
     one's verification, and one that drafts it during (--overlap); a hybrid drafter that
-    looks up any 1-token match (on 8 tokens, most rounds) and its orchestrator."""
+    looks up any 1-token match (on 8 tokens, most rounds) and its orchestrator; a feature
+    drafter (an EAGLE-3 head, the verifier's features forwarded to it) and a hybrid one
+    of it, and their orchestrators."""
     target_dir, draft_dir, _ = micro_pair
     cluster = Cluster()
     v, d = verifier(target_dir), drafter(draft_dir)
     hybrid = drafter(draft_dir, "hybrid-drafter", proposer="hybrid", extra=["--lookup-min-match", "1"])
-    cluster.start(v, d, hybrid)
+    head = drafter(micro_head, "feature-drafter", proposer="hybrid", extra=["--lookup-min-match", "2"])
+    cluster.start(v, d, hybrid, head)
     o = orchestrator(v, [d], target_dir)
     overlapping = orchestrator(v, [d], target_dir, "orchestrator-overlap", extra=["--overlap"])
     with_hybrid = orchestrator(v, [hybrid], target_dir, "orchestrator-hybrid")
-    cluster.start(o, overlapping, with_hybrid)
-    cluster.roles = {"plain": o, "overlap": overlapping, "hybrid": with_hybrid}
+    with_head = orchestrator(v, [head], target_dir, "orchestrator-feature")
+    cluster.start(o, overlapping, with_hybrid, with_head)
+    cluster.roles = {"plain": o, "overlap": overlapping, "hybrid": with_hybrid, "feature": with_head}
     yield cluster
     cluster.close()
 
@@ -120,7 +124,16 @@ def test_hybrid_distribution_matches_target(micro_cluster, micro_pair):
                        depth=4, k=1)
 
 
-@pytest.mark.parametrize("role", ["plain", "overlap", "hybrid"])
+def test_feature_drafter_distribution_matches_target(micro_cluster, micro_pair):
+    """Rounds drafted by an EAGLE-3 head from the target's features (its sparse q), and
+    by lookup, mixed within one output: still the target's distribution."""
+    params = common_pb2.SamplingParams(temperature=1.0, top_k=3, top_p=1.0)
+    results = check_distribution(micro_cluster.orchestrator_stub(micro_cluster.roles["feature"]), micro_pair[2],
+                                 params, depth=4, k=2)
+    assert sum(s.feature_bytes_received for s in results) > 0 and sum(s.feature_bytes_sent for s in results) > 0
+
+
+@pytest.mark.parametrize("role", ["plain", "overlap", "hybrid", "feature"])
 def test_seed_reproduces_output(micro_cluster, role):
     stub = micro_cluster.orchestrator_stub(micro_cluster.roles[role])
 

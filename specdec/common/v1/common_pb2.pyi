@@ -27,7 +27,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "max_positions", "kind", "lookup_min_match", "lookup_max_match", "numerics")
+    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "max_positions", "kind", "lookup_min_match", "lookup_max_match", "numerics", "feature_layers", "feature_window", "hidden_size", "num_layers")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,10 @@ class ModelInfo(_message.Message):
     LOOKUP_MIN_MATCH_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_MAX_MATCH_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     vocab_fingerprint: str
@@ -46,7 +50,23 @@ class ModelInfo(_message.Message):
     lookup_min_match: int
     lookup_max_match: int
     numerics: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., kind: _Optional[str] = ..., lookup_min_match: _Optional[int] = ..., lookup_max_match: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    feature_window: int
+    hidden_size: int
+    num_layers: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., kind: _Optional[str] = ..., lookup_min_match: _Optional[int] = ..., lookup_max_match: _Optional[int] = ..., numerics: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_window: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start", "rows", "width", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    width: int
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "tokens", "idle_seconds")
