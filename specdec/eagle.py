@@ -160,7 +160,9 @@ class Eagle3Head(torch.nn.Module):
         elif target_layers is not None:
             self.aux_layers = aux_layers_for(target_layers)
         else:
-            raise ValueError("the head names no target layers: the target's layer count is needed")
+            raise ValueError("the head's config.json names no target layers to read: add them as "
+                             "eagle_config.eagle_aux_hidden_state_layer_ids (EAGLE-3 reads the inputs of layers 2, "
+                             "L/2 and L-3 of an L-layer target)")
         hidden = llama.hidden_size
         self.embed_tokens = torch.nn.Embedding(llama.vocab_size, hidden)
         self.fc = torch.nn.Linear(len(self.aux_layers) * config.target_hidden, hidden, bias=False)
