@@ -185,8 +185,8 @@ def summarize(requests: list[Request], window_s: float, reference: dict[int, lis
         "acceptance": sum(r.accepted_tokens for r in done) / drafted if drafted else None,
         "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
         "mean_batch_rows": sum(r.batch_rows * r.rounds for r in done) / rounds if rounds else 0.0,
-        "checked": len(seen),
-        "same_as_target": sum(r.tokens == reference[r.prompt][:len(r.tokens)] for r in seen),
+        "checked": sum(r.prompt in reference for r in seen),
+        "same_as_target": sum(r.tokens == reference[r.prompt][:len(r.tokens)] for r in seen if r.prompt in reference),
         "same_as_alone": sum(r.tokens == alone[r.prompt][:len(r.tokens)] for r in seen if r.prompt in alone),
         "checked_alone": sum(r.prompt in alone for r in seen),
         "prompts_sent": sorted({r.prompt for r in requests}),
@@ -254,6 +254,13 @@ def chart(cells: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def spread(items: list, n: int | None) -> list:
+    """n of items, evenly spaced (every cell sends its own prompts with --unseen); all for None."""
+    if n is None or n >= len(items):
+        return items
+    return [items[i * len(items) // n] for i in range(n)]
+
+
 def reference_outputs(target: str, dtype: str, device: str, numerics: str, prompts: list[list[int]],
                       which: list[int], max_new_tokens: int):
     """The target's own greedy output (transformers `generate`) per prompt, for the
@@ -292,6 +299,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int8", "none"],
                         help="numerics of every model (auto: as specdec up)")
     parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: add the llama.cpp variant")
+    parser.add_argument("--reference-limit", type=int, default=None,
+                        help="check the outputs of N of the prompts sent, spread over the run, against the target's own "
+                             "generate (default: every one; the reference costs the target's whole generation again)")
     parser.add_argument("--unseen", action="store_true",
                         help="no request is sent a prompt sent before in the run (see above)")
     parser.add_argument("--out", type=Path, default=Path("bench-load-out"))
@@ -346,8 +356,8 @@ def run(args) -> dict:
             llama[0].terminate()
             llama[0].wait()
     used = sorted({r.prompt for by_variant in sent.values() for requests in by_variant.values() for r in requests})
-    reference = reference_outputs(args.target, args.dtype, args.device, args.quantize, prompts, used,
-                                  args.max_new_tokens)
+    reference = reference_outputs(args.target, args.dtype, args.device, args.quantize, prompts,
+                                  spread(used, args.reference_limit), args.max_new_tokens)
     alone = {v: {r.prompt: r.tokens for r in reversed(sent[levels[0]][v]) if r.complete} for v in variants}
     cells = {streams: {v: summarize(requests, args.duration, reference, alone[v]) for v, requests in by_variant.items()}
              for streams, by_variant in sent.items()}

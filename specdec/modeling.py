@@ -108,6 +108,7 @@ def _assembled(partial: Path) -> Path:
     for path in sorted(p for p in partial.iterdir() if p.is_file()):  # every file is copied: any change is new
         digest.update(path.name.encode() + _file_digest(path).encode())
     digest.update(str(source).encode())
+    digest.update(b"2")  # the assembly's own version: 1 cast a borrowed tensor to the first tensor's dtype
     target = cache_root() / "assembled" / f"{partial.name}-{digest.hexdigest()[:16]}"
     if (target / "config.json").exists():
         return target
@@ -115,7 +116,7 @@ def _assembled(partial: Path) -> Path:
         if (target / "config.json").exists():
             return target
         own = load_file(partial / "model.safetensors")
-        dtype = next(iter(own.values())).dtype
+        dtype = next(t.dtype for t in own.values() if t.is_floating_point())  # of the weights, not an index
         # tensors: names the source and this model share, or {name in the source: name here}
         names = borrowed["tensors"]
         with safe_open(source / "model.safetensors", framework="pt") as f:

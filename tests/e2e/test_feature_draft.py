@@ -20,6 +20,7 @@ HEAD = "smollm2-135m-eagle3"
 QUESTIONS = ["Why do cats purr?", "Give me three tips for learning to cook.", "What causes the seasons on Earth?",
              "Write a haiku about autumn leaves."]
 MAX_NEW = 48
+GREEDY = common_pb2.SamplingParams(top_p=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,10 @@ def test_feature_drafts_are_exact_and_accepted(deployment, cases):
         assert result.stats.feature_bytes_received == per_position * (len(ids) + len(want) - 1) or \
             result.stats.feature_bytes_received >= per_position * (len(want) - 1)
         assert result.stats.feature_bytes_sent <= result.stats.feature_bytes_received
-    assert drafted > 0 and accepted > 0
+    # Every draft is the head's (the drafters run it alone, no lookup): on held-out chat it
+    # agrees with the target's first token 0.43 of the time (its model card); a head that
+    # reads wrong features, or a wrong embedding, agreed 0.10.
+    assert drafted > 0 and accepted / drafted > 0.25, (accepted, drafted)
 
 
 def test_a_drafter_that_lost_the_session_is_resynced_from_the_window(deployment, cases):
@@ -101,7 +105,8 @@ def test_bad_features_are_refused_naming_the_field(deployment, bad, field):
     stub = deployment.drafter_stub(deployment.roles["heads"][1])
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Propose(drafter_pb2.ProposeRequest(session_id="bad-features", start=0, new_tokens=[1, 2, 3, 4, 5],
-                                                     num_draft_tokens=2, features=bad), timeout=10))
+                                                     num_draft_tokens=2, features=bad, sampling=GREEDY),
+                               timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
 
@@ -114,6 +119,6 @@ def test_bad_feature_requests_are_refused_naming_the_field(deployment, request_f
     stub = deployment.verifier_stub(deployment.roles["verifier"])
     with pytest.raises(grpc.RpcError) as err:
         stub.Verify(verifier_pb2.VerifyRequest(session_id="bad-feature-request", start=0, new_tokens=[1, 2, 3, 4, 5],
-                                               features=request_features), timeout=10)
+                                               features=request_features, sampling=GREEDY), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
