@@ -58,7 +58,10 @@ def test_one_request_is_one_trace_across_the_services(tiny_pair, smol_tokenizer)
             mine = [(service, s) for service, s in collector.spans if s.trace_id.hex() == client_trace]
             names = {s.name for _, s in mine}
             rounds = [s for _, s in mine if s.name == "round"]
-            if {"Generate", "verifier.Verify", "drafter.Propose"} <= names and len(rounds) == result.stats.rounds:
+            verifies = [s for _, s in mine if s.name == "verifier.Verify"]
+            # Each service exports its spans in its own batches: wait for all of them.
+            if {"Generate", "verifier.Verify", "drafter.Propose"} <= names and \
+                    len(rounds) == len(verifies) == result.stats.rounds:
                 break
             assert time.monotonic() < deadline, f"spans seen: {sorted(names)}"
             time.sleep(0.2)

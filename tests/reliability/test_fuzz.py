@@ -36,6 +36,7 @@ SCALARS = {
     d.FieldDescriptor.TYPE_UINT64: st.integers(0, 2 ** 64 - 1),
     d.FieldDescriptor.TYPE_FLOAT: FLOAT, d.FieldDescriptor.TYPE_DOUBLE: FLOAT,
     d.FieldDescriptor.TYPE_STRING: TEXT, d.FieldDescriptor.TYPE_BOOL: st.booleans(),
+    d.FieldDescriptor.TYPE_BYTES: st.one_of(st.binary(max_size=64), st.sampled_from([b"", b"\0" * 6912])),
 }
 
 
