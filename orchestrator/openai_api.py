@@ -28,7 +28,24 @@ STATUS = {  # gRPC code -> (HTTP status, OpenAI error type)
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
 }
-FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+# OpenAI has no finish reason for a constraint that allows nothing more: "stop", as an
+# end of sequence would be (the gRPC Result says which).
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CONSTRAINT: "stop"}
+
+# Every field of OpenAI's chat and completions requests is honoured or refused, never
+# ignored. Honoured: these (top_k and specdec are ours; user, safety_identifier and
+# prompt_cache_key are labels and hints, which change no output).
+HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+            "stop", "stream", "stream_options", "user", "n", "response_format", "top_k", "specdec",
+            "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
+# Refused unless they ask for what the server does anyway (the values listed; absent or
+# null always passes).
+AS_DEFAULT = {"logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+              "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+              "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "metadata": ({},),
+              "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
+              "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
+              "prompt_cache_retention": (), "prompt_cache_options": ()}
 
 
 class Refused(Exception):
@@ -57,6 +74,8 @@ def error(err: Refused) -> web.Response:
     status, kind = STATUS.get(err.code, (500, "api_error"))
     if err.param and err.param.startswith("chat.messages"):  # the gRPC field's name for OpenAI's
         err.param = err.param.removeprefix("chat.")
+    if err.param and err.param.startswith("constraint"):  # only response_format sets it
+        err.param = "response_format"
     return web.json_response({"error": {"message": err.message, "type": kind, "param": err.param,
                                         "code": err.code.name.lower()}}, status=status)
 
@@ -115,9 +134,13 @@ class OpenAIFront:
                                                      f"{self.model_name!r} (GET /v1/models)", "model")
         if _field(body, "n", int, 1) != 1:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "n: only 1 choice per request", "n")
-        for unsupported in ("logprobs", "top_logprobs", "best_of", "echo", "suffix", "tools", "functions"):
-            if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{unsupported}: not supported", unsupported)
+        for name, value in body.items():
+            if name in HONOURED:
+                continue
+            if name not in AS_DEFAULT:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not a field this server knows", name)
+            if value is not None and not any(_same(value, v) for v in AS_DEFAULT[name]):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not supported", name)
         return body
 
     def _request(self, body: dict, max_tokens_field: str = "max_tokens") -> pb.GenerateRequest:
@@ -146,6 +169,7 @@ class OpenAIFront:
             if not all(isinstance(s, str) for s in stops):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "stop: strings only", "stop")
             request.stop.extend(stops)
+        _constraint(body, request)
         extension = _field(body, "specdec", dict, {}) or {}
         k = extension.get("num_speculative_tokens")
         if k is not None:
@@ -258,6 +282,34 @@ class OpenAIFront:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _same(value, default) -> bool:
+    """value == default, where a bool equals only a bool (True is not the 1 of best_of)."""
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
+
+
+def _constraint(body: dict, request: pb.GenerateRequest) -> None:
+    """response_format: text (no constraint), json_object, or json_schema (its `schema`;
+    `strict` or not, the output follows the schema)."""
+    form = _field(body, "response_format", dict)
+    if form is None:
+        return
+    kind = form.get("type")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        request.constraint.json_object = True
+        return
+    if kind != "json_schema":
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "response_format.type: one of text, json_object, json_schema",
+                      "response_format.type")
+    spec = form.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "response_format.json_schema.schema: a JSON schema object",
+                      "response_format.json_schema.schema")
+    request.constraint.json_schema = json.dumps(schema)
 
 
 def _usage(result: pb.Result) -> dict:

@@ -15,7 +15,7 @@ import grpc
 
 from opentelemetry import trace
 
-from specdec import flags, logs, modeling, sampling, security, server, tracing
+from specdec import flags, grammar, logs, modeling, sampling, security, server, tracing
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Precondition, ServiceError, Unavailable, abort
 from specdec.lookup import OutputMemory
@@ -66,6 +66,8 @@ class Request:
     k: int | None  # None: chosen per round
     params: common_pb2.SamplingParams
     stop: list[str]
+    constraint: common_pb2.Constraint | None = None
+    guide: grammar.Guide | None = None  # the output's place in its constraint
 
 
 @dataclass
@@ -89,6 +91,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests)
         self.closing: set[asyncio.Task] = set()
         self.memory: OutputMemory | None = None  # earlier outputs, for every request's lookup drafts
+        self.vocab: grammar.Vocabulary | grammar.NoVocabulary | None = None  # the target's tokens for constraints
 
     def output_memory(self, rule: tuple[int, int] | None) -> OutputMemory | None:
         """The shared memory of outputs under a lookup rule (min, max match), the drafters'
@@ -101,6 +104,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     def ready(self, tokenizer, verifiers: VerifierPool, pool: DrafterPool) -> None:
         self.tokenizer, self.verifiers, self.pool = tokenizer, verifiers, pool
+        self.vocab = grammar.vocabulary(tokenizer, self.info.vocab_size, list(self.info.eos_token_ids))
 
     @property
     def info(self) -> common_pb2.ModelInfo:
@@ -134,7 +138,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                           f"{MAX_STOP_LENGTH} characters")
         seed = r.seed if r.HasField("seed") else random.getrandbits(63)
         params = common_pb2.SamplingParams(temperature=temperature, top_k=r.top_k, top_p=top_p, seed=seed)
-        return Request(r.request_id or uuid.uuid4().hex, prompt, max_new, k, params, list(r.stop))
+        guide = self.vocab.guide(r.constraint, len(prompt)) if r.constraint.WhichOneof("kind") else None
+        return Request(r.request_id or uuid.uuid4().hex, prompt, max_new, k, params, list(r.stop),
+                       r.constraint if guide is not None else None, guide)
 
     def prompt_ids(self, r: pb.GenerateRequest) -> list[int]:
         which = r.WhichOneof("prompt")
@@ -210,7 +216,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         verifier = VerifierLink(self.verifiers, session_id, req.prompt, req.params, stats,
                                 self.limits.verifier_timeout_s,
                                 retry_s=self.limits.verifier_retry_s, deadline=deadline, metadata=labelled,
-                                features=feed)
+                                features=feed, constraint=req.constraint)
         # Greedy requests only draft from other requests' outputs: a sampled request's tokens
         # depend on its drafts (their distribution does not), and its seed must reproduce them.
         drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
@@ -229,7 +235,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 probes_beside_runs=sampling.is_greedy(req.params), lookup_k_max=self.limits.max_k)
             rounds = speculate(req.prompt, req.max_new_tokens, policy, set(self.info.eos_token_ids), drafter,
                                verifier, stats, overlap=self.limits.overlap,
-                               trace_context=trace.set_span_in_context(span))
+                               trace_context=trace.set_span_in_context(span), guide=req.guide)
             async with contextlib.aclosing(rounds):  # a stop string ends it early: stop its drafting too
                 async for new in rounds:
                     ids, delta = text.add(new)
@@ -293,6 +299,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def result(self, req: Request, text: TextStream, stats: Stats) -> pb.Result:
         if text.stop_hit is not None or (text.ids and text.ids[-1] in self.info.eos_token_ids):
             finish = pb.FINISH_REASON_STOP
+        elif req.guide is not None and req.guide.sync(req.prompt + text.ids) and req.guide.dead:
+            finish = pb.FINISH_REASON_CONSTRAINT
         else:
             finish = pb.FINISH_REASON_LENGTH
         return pb.Result(

@@ -17,7 +17,7 @@ from opentelemetry import context as otel_context, trace
 
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
-from specdec import features, tracing
+from specdec import features, grammar, tracing
 from specdec.errors import needs_resync
 from specdec.lookup import LookupIndex, OutputMemory
 from specdec.verifier.v1 import verifier_pb2
@@ -120,8 +120,10 @@ class VerifierLink:
 
     def __init__(self, pool: "VerifierPool", session_id: str, prompt: list[int],
                  params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retry_s: float = 15.0,
-                 deadline: Deadline = Deadline(None), metadata=(), features: "FeatureFeed | None" = None):
+                 deadline: Deadline = Deadline(None), metadata=(), features: "FeatureFeed | None" = None,
+                 constraint: common_pb2.Constraint | None = None):
         self.pool, self.session_id, self.prompt = pool, session_id, prompt
+        self.constraint = constraint  # the output's, sent with each call that (re)creates the session
         self.features = features  # the target's features a feature drafter reads, kept as they come
         self.params, self.stats = params, stats
         self.metadata = metadata  # the request's label, for the service's logs
@@ -164,6 +166,12 @@ class VerifierLink:
             self.left, self.replica = self.replica, None
             self.pool.release(self.left)
 
+    def _constraint(self) -> dict:
+        """The request fields that set the session's constraint: at start = 0 only."""
+        if self.constraint is None or self.synced > 0:
+            return {}
+        return {"constraint": self.constraint, "constraint_start": len(self.prompt)}
+
     def _answered(self, batch_pass: verifier_pb2.BatchPass) -> None:
         self.pool.observe(self.replica, batch_pass)
 
@@ -177,7 +185,7 @@ class VerifierLink:
                 request = verifier_pb2.VerifyRequest(
                     session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
                     draft_tokens=drafts, draft_probs=qs, sampling=self.params,
-                    features=self.features and self.features.request(len(history)))
+                    features=self.features and self.features.request(len(history)), **self._constraint())
                 response = await stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s),
                                              metadata=self.metadata + tracing.headers())
             except grpc.aio.AioRpcError as err:
@@ -207,7 +215,7 @@ class VerifierLink:
                 request = verifier_pb2.DecodeRequest(
                     session_id=self.session_id, start=self.synced, new_tokens=sent[self.synced:],
                     sampling=self.params, max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop),
-                    features=self.features and self.features.request(len(sent)))
+                    features=self.features and self.features.request(len(sent)), **self._constraint())
                 call = stub.Decode(request, timeout=self.deadline.timeout(self.timeout_s),
                                    metadata=self.metadata + tracing.headers())
                 async for message in call:
@@ -531,8 +539,10 @@ async def speculate(
     stats: Stats,
     overlap: bool = False,
     trace_context=None,
+    guide: grammar.Guide | None = None,
 ) -> AsyncIterator[list[int]]:
-    """Yields the tokens committed by each round until max_new_tokens or an EOS token.
+    """Yields the tokens committed by each round until max_new_tokens, an EOS token, or,
+    under a constraint (`guide`), where the grammar allows no token.
     With `overlap`, the drafter drafts the next round while the verifier checks this one.
 
     Each round: the policy picks K (knowing whether the history holds a lookup match);
@@ -544,14 +554,16 @@ async def speculate(
     produced = 0
     ahead: tuple[list[int], list[common_pb2.SparseDistribution]] | None = None  # drafted for the next round
     while produced < max_new_tokens:
-        by_lookup = drafter.lookup_drafts(history, policy.lookup_k_max)
+        by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max)
+        if guide is not None and guide.dead:
+            return
         # A round commits at most K + 1 tokens: never draft past the budget.
         k_round = min(policy.choose(len(by_lookup)), max_new_tokens - produced - 1)
         if k_round <= 0:
             ahead = None
             async with contextlib.aclosing(_target_alone(policy, drafter, verifier, history, by_lookup,
                                                          max_new_tokens - produced, eos, stats,
-                                                         trace_context)) as run:
+                                                         trace_context, guide)) as run:
                 async for token in run:
                     produced += 1
                     yield [token]
@@ -559,13 +571,33 @@ async def speculate(
                         return
             continue
         new, ahead = await _round(policy, drafter, verifier, history, by_lookup, k_round, ahead,
-                                  overlap and produced + k_round + 2 < max_new_tokens, stats, trace_context)
+                                  overlap and produced + k_round + 2 < max_new_tokens, stats, trace_context, guide)
         new = _until_eos(new, eos)
         history.extend(new)
         produced += len(new)
         yield new
         if new[-1] in eos:
             return
+
+
+def _free_drafts(drafter: DrafterLink, guide: grammar.Guide | None, history: list[int], k_max: int) -> list[int]:
+    """Drafts that need no drafter call: under a constraint, the tokens its grammar forces
+    next; else the lookup match (cut after its first token the constraint forbids). Both
+    are drafted and priced alike: a round verifies them, so the output stays the target's."""
+    if guide is None:
+        return drafter.lookup_drafts(history, k_max)
+    if not guide.sync(history):
+        raise RuntimeError(f"the committed output left its constraint at position {guide.end}")
+    forced = guide.forced()
+    if forced:
+        return forced[:k_max]
+    return _allowed(guide, drafter.lookup_drafts(history, k_max))
+
+
+def _allowed(guide: grammar.Guide | None, drafts: list[int]) -> list[int]:
+    """The drafts up to the first one the constraint forbids, that one included: the
+    verifier rejects it, and the drafts after it could never be accepted."""
+    return drafts if guide is None else drafts[:guide.allowed(drafts) + 1]
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
@@ -577,8 +609,8 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: VerifierLink, history: list[int],
-                 by_lookup: list[int], k: int, ahead, look_ahead: bool, stats: Stats, trace_context
-                 ) -> tuple[list[int], tuple | None]:
+                 by_lookup: list[int], k: int, ahead, look_ahead: bool, stats: Stats, trace_context,
+                 guide: grammar.Guide | None = None) -> tuple[list[int], tuple | None]:
     """One speculative round of k drafts after `history`: the lookup match's (`by_lookup`)
     where the policy chose a lookup round, else the drafter's model's (or `ahead`,
     drafted during the last round). -> (the accepted drafts and the verifier's own token,
@@ -601,6 +633,9 @@ async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: Ver
             stats.lookahead_hits += 1
         else:
             drafts, qs = await drafter.propose(history, k)
+        if guide is not None and not lookup:
+            drafts = _allowed(guide, drafts)
+            qs = qs[:len(drafts)]
         drafted = time.perf_counter()
         draft_s = drafted - started if drafts else None
         if look_ahead and not lookup:
@@ -642,7 +677,7 @@ async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: Ver
 
 async def _target_alone(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: VerifierLink,
                         history: list[int], by_lookup: list[int], budget: int, eos: set[int], stats: Stats,
-                        trace_context) -> AsyncIterator[int]:
+                        trace_context, guide: grammar.Guide | None = None) -> AsyncIterator[int]:
     """A run of the target alone (one verifier call for its steps): appends each token to
     `history`, then yields it. It stops early where a lookup round would pay. Beside it:
     a probe of the drafter when the policy asks for one (off the steps' path, but a
@@ -662,7 +697,7 @@ async def _target_alone(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifi
                     stats.lookups_checked += 1
                 history.append(token)
                 yield token
-                by_lookup = drafter.lookup_drafts(history, policy.lookup_k_max)
+                by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max)
                 if policy.lookup_pays(len(by_lookup)):
                     stats.runs_cut += 1
                     return

@@ -19,6 +19,7 @@ class Session:
     state: Any
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
+    guide: Any = None  # the verifier's output constraint (specdec.grammar.Guide), set at start = 0
 
 
 class SessionStore:

@@ -11,23 +11,26 @@ from typing import AsyncIterator
 
 import torch
 
-from specdec import sampling
+from specdec import grammar, sampling
 from specdec.features import encode as encode_features
 from specdec.common.v1 import common_pb2
 from specdec.engine import PagedSequence, Pass
+from specdec.errors import InvalidArgument
 from specdec.sampling import Draws
 from specdec.verifier.v1 import verifier_pb2
 
 
-async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest
+async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide: grammar.Guide | None = None
                  ) -> tuple[int, int, Pass, common_pb2.Features | None]:
     """One round on a session: bring the cache to the committed history, run the target
     once over the new tokens and the drafts (in a pass shared with the other sessions
-    ready at the same time), and apply the acceptance rule. -> (accepted, the target's
-    token, the pass, the features asked for)."""
+    ready at the same time), and apply the acceptance rule, to the target's distributions
+    masked by the session's constraint (`guide`) where it has one. -> (accepted, the
+    target's token, the pass, the features asked for)."""
     seq.sync(request.start, list(request.new_tokens))
     n = len(seq.tokens)  # committed length: drafts start here
     drafts = list(request.draft_tokens)
+    masks = None if guide is None else constrained(guide, seq.tokens, request.start, drafts)
     seq.extend(drafts)
     layers, first = tuple(request.features.layers), request.features.first_position
     rows = features = None
@@ -36,6 +39,8 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest
         logits = logits[-(len(drafts) + 1):]
     else:
         logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
+    if masks is not None:
+        logits = grammar.apply(logits, masks)
     params = request.sampling
     if sampling.is_greedy(params):
         accepted, token = accept_greedy(logits.argmax(dim=-1).tolist(), drafts)
@@ -52,20 +57,28 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest
     return accepted, token, done, features
 
 
-async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_positions: int
-                 ) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
+async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_positions: int,
+                 guide: grammar.Guide | None = None) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
     """The target alone on a session: bring the cache to the committed history, then one
     token per pass (each pass shared with the other sessions ready), each picked as a
-    round without drafts would pick it, until max_tokens, a stop token or the model's
-    limit. With each token, the features asked for of the positions its pass computed."""
+    round without drafts would pick it (under the session's constraint, `guide`), until
+    max_tokens, a stop token, the model's limit or a grammar that allows nothing more.
+    With each token, the features asked for of the positions its pass computed."""
     seq.sync(request.start, list(request.new_tokens))
+    if guide is not None:
+        constrained(guide, seq.tokens, request.start, [])
     layers, first = tuple(request.features.layers), request.features.first_position
     end = len(seq.tokens) + min(request.max_tokens, max_positions - len(seq.tokens))
     stop, params = set(request.stop_token_ids), request.sampling
 
     def pick(logits: torch.Tensor) -> tuple[int, bool]:  # on the engine's thread
-        token = own_token(logits, params, len(seq.tokens))
-        return token, token not in stop and len(seq.tokens) + 1 < end
+        if guide is None:
+            token = own_token(logits, params, len(seq.tokens))
+            return token, token not in stop and len(seq.tokens) + 1 < end
+        token = own_token(grammar.apply(logits[None], guide.mask()[None])[0], params, len(seq.tokens))
+        guide.advance(token)
+        # Where the grammar allows nothing more, the run ends (the orchestrator ends the output).
+        return token, token not in stop and len(seq.tokens) + 1 < end and not guide.dead
 
     if not layers:
         async with contextlib.aclosing(seq.decode(pick)) as steps:  # closed with this generator
@@ -77,6 +90,21 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
         async for token, done, rows in steps:
             yield token, done, encode_features(position, rows)
             position += len(rows)
+
+
+def constrained(guide: grammar.Guide, committed: list[int], start: int, drafts: list[int]) -> torch.Tensor:
+    """The constraint's masks for a pass after `committed` over the drafts; [K+1, vocab].
+    `start`: the call's, from which the committed tokens may differ from those the guide
+    took (a run's last picks its caller never read). INVALID_ARGUMENT where the committed
+    output is not the grammar's, or it allows no token."""
+    if not guide.sync(committed, since=start):
+        raise InvalidArgument("new_tokens", f"the session's constraint does not allow the committed tokens "
+                                            f"from position {guide.start} on")
+    masks = guide.masks(drafts)
+    if not masks[0].any():
+        raise InvalidArgument("constraint", "allows no token after the committed tokens "
+                                            f"({guide.error or 'the grammar ends without accepting'})")
+    return masks
 
 
 def own_token(logits: torch.Tensor, params: common_pb2.SamplingParams, position: int) -> int:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from specdec import flags, logs, modeling, sampling, server, tracing
+from specdec import flags, grammar, logs, modeling, sampling, server, tracing
 from specdec.engine import one_thread_outside_engines
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
@@ -55,6 +55,21 @@ def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> N
 
 class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
     pb = verifier_pb2
+    vocab: grammar.Vocabulary | grammar.NoVocabulary | None = None  # the target's tokens as constraints match them
+
+    async def guide(self, request, session) -> grammar.Guide | None:
+        """The session's constraint: a call with start = 0 sets it (compiled off the event
+        loop: a large grammar takes milliseconds), the others keep it."""
+        if request.start != 0:
+            return session.guide
+        if request.constraint.WhichOneof("kind") is None:
+            session.guide = None
+            return None
+        if not 1 <= request.constraint_start <= len(request.new_tokens):
+            raise InvalidArgument("constraint_start", f"must be in [1, {len(request.new_tokens)}], "
+                                                      f"got {request.constraint_start}")
+        session.guide = await asyncio.to_thread(self.vocab.guide, request.constraint, request.constraint_start)
+        return session.guide
 
     def check_features(self, features: verifier_pb2.FeatureRequest, committed: int) -> None:
         """INVALID_ARGUMENT naming the field unless the layers exist and the first position
@@ -89,7 +104,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             with tracing.server_span("verifier.Verify", context, session_id=request.session_id,
                                      new_tokens=len(request.new_tokens), drafts=len(request.draft_tokens)) as span:
                 async with self.model_work(session) as seq:
-                    a, t, done, features = await verify(seq, request)
+                    a, t, done, features = await verify(seq, request, await self.guide(request, session))
                 span.set_attributes({"accepted": a, "batch_rows": done.rows})
             return verifier_pb2.VerifyResponse(num_accepted=a, next_token=t, batch_pass=batch_pass(done),
                                                features=features)
@@ -116,10 +131,11 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             with tracing.server_span("verifier.Decode", context, session_id=request.session_id,
                                      new_tokens=len(request.new_tokens), max_tokens=request.max_tokens):
                 async with self.model_work(session) as seq:
+                    guide = await self.guide(request, session)
                     # Closed before the session is let go, wherever the stream stops (a caller
                     # that cancels leaves this generator at its yield): the decoding must end
                     # before another call may touch the session.
-                    async with contextlib.aclosing(decode(seq, request, self.info.max_positions)) as steps:
+                    async with contextlib.aclosing(decode(seq, request, self.info.max_positions, guide)) as steps:
                         async for token, done, features in steps:
                             yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done),
                                                               features=features)
@@ -149,6 +165,8 @@ async def serve(args, on_listen=None) -> None:
         info = modeling.model_info(model, tokenizer, args.model, "target")
         info.numerics = engine.numerics
         info.num_layers, info.hidden_size = model.config.num_hidden_layers, model.config.hidden_size
+        servicer.vocab = await asyncio.to_thread(grammar.vocabulary, tokenizer, info.vocab_size,
+                                                 list(info.eos_token_ids))
         # Warm up: a prefill and a multi-token pass, so the first request is not slow.
         seq = engine.new_sequence()
         seq.sync(0, [0, 1, 0, 1])

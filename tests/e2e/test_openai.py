@@ -96,3 +96,62 @@ def test_errors_come_in_openais_shape(api):
     with pytest.raises(openai.AuthenticationError):
         stranger.models.list()
     stranger.close()
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "rain"],
+          "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "rain": {"type": "boolean"}}}
+
+
+def test_response_format_constrains_the_output_as_generate_does(api):
+    import json
+    cluster, o, client, _ = api
+    messages = [{"role": "user", "content": "Where does it rain? Answer in JSON."}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}})
+    result = grpc_generate(cluster, o, chat=pb.Chat(messages=[pb.ChatMessage(**messages[0])]), max_new_tokens=40,
+                           constraint={"json_schema": json.dumps(SCHEMA)})
+    assert out.choices[0].message.content == result.text
+    assert out.choices[0].finish_reason == "stop"
+    answer = json.loads(result.text)
+    assert answer["city"] in ("Paris", "Oslo", "Lima") and isinstance(answer["rain"], bool)
+    plain = client.completions.create(model=MODEL, prompt="{", max_tokens=30, temperature=0,
+                                      extra_body={"response_format": {"type": "json_object"}})
+    assert plain.choices[0].text.startswith("{")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    assert err.value.body["param"] == "response_format" and "does not compile" in err.value.body["message"]
+
+
+def _request_fields(params) -> set[str]:
+    import typing
+    return set(typing.get_type_hints(params.CompletionCreateParamsBase)) | {"stream"}
+
+
+def test_every_openai_field_is_honoured_or_refused(api):
+    """Each field of the openai package's own request types: the server honours it (and a
+    test here or in test_constraints shows how) or answers 400 naming it; an unknown one
+    is refused too. A field that asks for what the server does anyway passes."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+    from orchestrator.openai_api import AS_DEFAULT, HONOURED
+    _, _, client, _ = api
+    messages = [{"role": "user", "content": "hi"}]
+    kinds = {"chat": (_request_fields(chat_params), client.chat.completions.create, {"messages": messages}),
+             "completions": (_request_fields(completion_create_params), client.completions.create,
+                             {"prompt": "hi"})}
+    for kind, (fields, create, base) in kinds.items():
+        for name in sorted(fields):
+            assert name in HONOURED or name in AS_DEFAULT, f"{kind}: {name} is neither honoured nor refused"
+            if name in HONOURED:
+                continue
+            # A value no field takes as its default: a non-empty object.
+            with pytest.raises(openai.BadRequestError) as err:
+                create(model=MODEL, max_tokens=2, extra_body={name: {"surely": "not a default"}}, **base)
+            assert err.value.body["param"] == name, (kind, name, err.value.body)
+            for default in AS_DEFAULT[name]:  # what the server does anyway passes
+                create(model=MODEL, max_tokens=2, extra_body={name: default}, **base)
+        with pytest.raises(openai.BadRequestError) as err:
+            create(model=MODEL, max_tokens=2, extra_body={"guided_regex": "a+"}, **base)
+        assert err.value.body["param"] == "guided_regex"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especdec/common/v1/common.proto\x12\x11specdec.common.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa9\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_positions\x18\x05 \x01(\x05\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x18\n\x10lookup_min_match\x18\x07 \x01(\x05\x12\x18\n\x10lookup_max_match\x18\x08 \x01(\x05\x12\x10\n\x08numerics\x18\t \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\n \x03(\x05\x12\x16\n\x0e\x66\x65\x61ture_window\x18\x0b \x01(\x05\x12\x13\n\x0bhidden_size\x18\x0c \x01(\x05\x12\x12\n\nnum_layers\x18\r \x01(\x05\"D\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"G\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\x14\n\x0cidle_seconds\x18\x03 \x01(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especdec/common/v1/common.proto\x12\x11specdec.common.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"s\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x12\x0e\n\x04gbnf\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa9\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_positions\x18\x05 \x01(\x05\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x18\n\x10lookup_min_match\x18\x07 \x01(\x05\x12\x18\n\x10lookup_max_match\x18\x08 \x01(\x05\x12\x10\n\x08numerics\x18\t \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\n \x03(\x05\x12\x16\n\x0e\x66\x65\x61ture_window\x18\x0b \x01(\x05\x12\x13\n\x0bhidden_size\x18\x0c \x01(\x05\x12\x12\n\nnum_layers\x18\r \x01(\x05\"D\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"G\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\x14\n\x0cidle_seconds\x18\x03 \x01(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=53
   _globals['_SAMPLINGPARAMS']._serialized_end=134
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=136
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=190
-  _globals['_MODELINFO']._serialized_start=193
-  _globals['_MODELINFO']._serialized_end=490
-  _globals['_FEATURES']._serialized_start=492
-  _globals['_FEATURES']._serialized_end=560
-  _globals['_SESSIONINFO']._serialized_start=562
-  _globals['_SESSIONINFO']._serialized_end=633
+  _globals['_CONSTRAINT']._serialized_start=136
+  _globals['_CONSTRAINT']._serialized_end=251
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=253
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=307
+  _globals['_MODELINFO']._serialized_start=310
+  _globals['_MODELINFO']._serialized_end=607
+  _globals['_FEATURES']._serialized_start=609
+  _globals['_FEATURES']._serialized_end=677
+  _globals['_SESSIONINFO']._serialized_start=679
+  _globals['_SESSIONINFO']._serialized_end=750
 # @@protoc_insertion_point(module_scope)

@@ -22,61 +22,62 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from specdec.common.v1 import common_pb2 as specdec_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*specdec/orchestrator/v1/orchestrator.proto\x12\x17specdec.orchestrator.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\">\n\x04\x43hat\x12\x36\n\x08messages\x18\x01 \x03(\x0b\x32$.specdec.orchestrator.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1d.specdec.orchestrator.v1.ChatH\x00\x12\x36\n\ttoken_ids\x18\x04 \x01(\x0b\x32!.specdec.orchestrator.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12#\n\x16num_speculative_tokens\x18\x0b \x01(\x05H\x05\x88\x01\x01\x42\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xfd\x02\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x0f\n\x07resyncs\x18\x05 \x01(\x05\x12\x19\n\x11\x64rafter_failovers\x18\x06 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\x05\x12\x12\n\nlookaheads\x18\x08 \x01(\x05\x12\x16\n\x0elookahead_hits\x18\t \x01(\x05\x12\x15\n\rdraft_seconds\x18\n \x01(\x01\x12\x16\n\x0everify_seconds\x18\x0b \x01(\x01\x12\x17\n\x0fmean_batch_rows\x18\x0c \x01(\x02\x12\x16\n\x0everifier_moves\x18\r \x01(\x05\x12\x1e\n\x16\x66\x65\x61ture_bytes_received\x18\x0e \x01(\x03\x12\x1a\n\x12\x66\x65\x61ture_bytes_sent\x18\x0f \x01(\x03\"\xfb\x01\n\x06Result\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12<\n\rfinish_reason\x18\x04 \x01(\x0e\x32%.specdec.orchestrator.v1.FinishReason\x12\x15\n\rstop_sequence\x18\x05 \x01(\t\x12-\n\x05usage\x18\x06 \x01(\x0b\x32\x1e.specdec.orchestrator.v1.Usage\x12\x38\n\x05stats\x18\x07 \x01(\x0b\x32).specdec.orchestrator.v1.SpeculationStats\"\x7f\n\x10GenerateResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.specdec.orchestrator.v1.ChunkH\x00\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32\x1f.specdec.orchestrator.v1.ResultH\x00\x42\x07\n\x05\x65vent\"(\n\x14ScaleDraftersRequest\x12\x10\n\x08replicas\x18\x01 \x01(\x05\"\\\n\x15ScaleDraftersResponse\x12\x10\n\x08replicas\x18\x01 \x01(\x05\x12\x0f\n\x07pending\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x10\n\x08starting\x18\x04 \x01(\x05\"\x15\n\x13ListDraftersRequest\"D\n\x0e\x44rafterReplica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08sessions\x18\x02 \x01(\x05\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"\xa3\x01\n\x14ListDraftersResponse\x12\x39\n\x08replicas\x18\x01 \x03(\x0b\x32\'.specdec.orchestrator.v1.DrafterReplica\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x1d\n\x15last_scaling_decision\x18\x03 \x01(\t\x12\x10\n\x08starting\x18\x04 \x01(\x05\x12\x0f\n\x07pending\x18\x05 \x01(\x05\"\x15\n\x13ListRequestsRequest\"\x8f\x01\n\x0fRequestInFlight\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x10\n\x08verifier\x18\x06 \x01(\t\x12\x17\n\x0f\x65lapsed_seconds\x18\x05 \x01(\x02\"R\n\x14ListRequestsResponse\x12:\n\x08requests\x18\x01 \x03(\x0b\x32(.specdec.orchestrator.v1.RequestInFlight\")\n\x15ScaleVerifiersRequest\x12\x10\n\x08replicas\x18\x01 \x01(\x05\"\x16\n\x14ListVerifiersRequest\"\xe3\x01\n\x0fVerifierReplica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08sessions\x18\x02 \x01(\x05\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\x05\x12\x18\n\x10waiting_sessions\x18\x05 \x01(\x05\x12\x14\n\x0cpass_seconds\x18\x06 \x01(\x02\x12\x18\n\x10routed_by_prefix\x18\x07 \x01(\x03\x12\x16\n\x0erouted_by_load\x18\x08 \x01(\x03\x12\x12\n\nmoved_away\x18\t \x01(\x03\x12\x0e\n\x06in_set\x18\n \x01(\x08\"\x82\x01\n\x15ListVerifiersResponse\x12:\n\x08replicas\x18\x01 \x03(\x0b\x32(.specdec.orchestrator.v1.VerifierReplica\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x1d\n\x15last_scaling_decision\x18\x03 \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xcf\x01\n\x13OrchestratorService\x12\x61\n\x08Generate\x12(.specdec.orchestrator.v1.GenerateRequest\x1a).specdec.orchestrator.v1.GenerateResponse0\x01\x12U\n\x08\x43omplete\x12(.specdec.orchestrator.v1.GenerateRequest\x1a\x1f.specdec.orchestrator.v1.Result2\xc6\x04\n\x18OrchestratorAdminService\x12n\n\rScaleDrafters\x12-.specdec.orchestrator.v1.ScaleDraftersRequest\x1a..specdec.orchestrator.v1.ScaleDraftersResponse\x12k\n\x0cListDrafters\x12,.specdec.orchestrator.v1.ListDraftersRequest\x1a-.specdec.orchestrator.v1.ListDraftersResponse\x12k\n\x0cListRequests\x12,.specdec.orchestrator.v1.ListRequestsRequest\x1a-.specdec.orchestrator.v1.ListRequestsResponse\x12p\n\x0eScaleVerifiers\x12..specdec.orchestrator.v1.ScaleVerifiersRequest\x1a..specdec.orchestrator.v1.ScaleDraftersResponse\x12n\n\rListVerifiers\x12-.specdec.orchestrator.v1.ListVerifiersRequest\x1a..specdec.orchestrator.v1.ListVerifiersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*specdec/orchestrator/v1/orchestrator.proto\x12\x17specdec.orchestrator.v1\x1a\x1especdec/common/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\">\n\x04\x43hat\x12\x36\n\x08messages\x18\x01 \x03(\x0b\x32$.specdec.orchestrator.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xca\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1d.specdec.orchestrator.v1.ChatH\x00\x12\x36\n\ttoken_ids\x18\x04 \x01(\x0b\x32!.specdec.orchestrator.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12#\n\x16num_speculative_tokens\x18\x0b \x01(\x05H\x05\x88\x01\x01\x12\x31\n\nconstraint\x18\x0c \x01(\x0b\x32\x1d.specdec.common.v1.ConstraintB\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xfd\x02\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x0f\n\x07resyncs\x18\x05 \x01(\x05\x12\x19\n\x11\x64rafter_failovers\x18\x06 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\x05\x12\x12\n\nlookaheads\x18\x08 \x01(\x05\x12\x16\n\x0elookahead_hits\x18\t \x01(\x05\x12\x15\n\rdraft_seconds\x18\n \x01(\x01\x12\x16\n\x0everify_seconds\x18\x0b \x01(\x01\x12\x17\n\x0fmean_batch_rows\x18\x0c \x01(\x02\x12\x16\n\x0everifier_moves\x18\r \x01(\x05\x12\x1e\n\x16\x66\x65\x61ture_bytes_received\x18\x0e \x01(\x03\x12\x1a\n\x12\x66\x65\x61ture_bytes_sent\x18\x0f \x01(\x03\"\xfb\x01\n\x06Result\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12<\n\rfinish_reason\x18\x04 \x01(\x0e\x32%.specdec.orchestrator.v1.FinishReason\x12\x15\n\rstop_sequence\x18\x05 \x01(\t\x12-\n\x05usage\x18\x06 \x01(\x0b\x32\x1e.specdec.orchestrator.v1.Usage\x12\x38\n\x05stats\x18\x07 \x01(\x0b\x32).specdec.orchestrator.v1.SpeculationStats\"\x7f\n\x10GenerateResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.specdec.orchestrator.v1.ChunkH\x00\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32\x1f.specdec.orchestrator.v1.ResultH\x00\x42\x07\n\x05\x65vent\"(\n\x14ScaleDraftersRequest\x12\x10\n\x08replicas\x18\x01 \x01(\x05\"\\\n\x15ScaleDraftersResponse\x12\x10\n\x08replicas\x18\x01 \x01(\x05\x12\x0f\n\x07pending\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x10\n\x08starting\x18\x04 \x01(\x05\"\x15\n\x13ListDraftersRequest\"D\n\x0e\x44rafterReplica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08sessions\x18\x02 \x01(\x05\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"\xa3\x01\n\x14ListDraftersResponse\x12\x39\n\x08replicas\x18\x01 \x03(\x0b\x32\'.specdec.orchestrator.v1.DrafterReplica\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x1d\n\x15last_scaling_decision\x18\x03 \x01(\t\x12\x10\n\x08starting\x18\x04 \x01(\x05\x12\x0f\n\x07pending\x18\x05 \x01(\x05\"\x15\n\x13ListRequestsRequest\"\x8f\x01\n\x0fRequestInFlight\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x10\n\x08verifier\x18\x06 \x01(\t\x12\x17\n\x0f\x65lapsed_seconds\x18\x05 \x01(\x02\"R\n\x14ListRequestsResponse\x12:\n\x08requests\x18\x01 \x03(\x0b\x32(.specdec.orchestrator.v1.RequestInFlight\")\n\x15ScaleVerifiersRequest\x12\x10\n\x08replicas\x18\x01 \x01(\x05\"\x16\n\x14ListVerifiersRequest\"\xe3\x01\n\x0fVerifierReplica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08sessions\x18\x02 \x01(\x05\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\x05\x12\x18\n\x10waiting_sessions\x18\x05 \x01(\x05\x12\x14\n\x0cpass_seconds\x18\x06 \x01(\x02\x12\x18\n\x10routed_by_prefix\x18\x07 \x01(\x03\x12\x16\n\x0erouted_by_load\x18\x08 \x01(\x03\x12\x12\n\nmoved_away\x18\t \x01(\x03\x12\x0e\n\x06in_set\x18\n \x01(\x08\"\x82\x01\n\x15ListVerifiersResponse\x12:\n\x08replicas\x18\x01 \x03(\x0b\x32(.specdec.orchestrator.v1.VerifierReplica\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x1d\n\x15last_scaling_decision\x18\x03 \x01(\t*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1c\n\x18\x46INISH_REASON_CONSTRAINT\x10\x03\x32\xcf\x01\n\x13OrchestratorService\x12\x61\n\x08Generate\x12(.specdec.orchestrator.v1.GenerateRequest\x1a).specdec.orchestrator.v1.GenerateResponse0\x01\x12U\n\x08\x43omplete\x12(.specdec.orchestrator.v1.GenerateRequest\x1a\x1f.specdec.orchestrator.v1.Result2\xc6\x04\n\x18OrchestratorAdminService\x12n\n\rScaleDrafters\x12-.specdec.orchestrator.v1.ScaleDraftersRequest\x1a..specdec.orchestrator.v1.ScaleDraftersResponse\x12k\n\x0cListDrafters\x12,.specdec.orchestrator.v1.ListDraftersRequest\x1a-.specdec.orchestrator.v1.ListDraftersResponse\x12k\n\x0cListRequests\x12,.specdec.orchestrator.v1.ListRequestsRequest\x1a-.specdec.orchestrator.v1.ListRequestsResponse\x12p\n\x0eScaleVerifiers\x12..specdec.orchestrator.v1.ScaleVerifiersRequest\x1a..specdec.orchestrator.v1.ScaleDraftersResponse\x12n\n\rListVerifiers\x12-.specdec.orchestrator.v1.ListVerifiersRequest\x1a..specdec.orchestrator.v1.ListVerifiersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.orchestrator.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2562
-  _globals['_FINISHREASON']._serialized_end=2657
-  _globals['_CHATMESSAGE']._serialized_start=71
-  _globals['_CHATMESSAGE']._serialized_end=115
-  _globals['_CHAT']._serialized_start=117
-  _globals['_CHAT']._serialized_end=179
-  _globals['_TOKENIDS']._serialized_start=181
-  _globals['_TOKENIDS']._serialized_end=204
-  _globals['_GENERATEREQUEST']._serialized_start=207
-  _globals['_GENERATEREQUEST']._serialized_end=614
-  _globals['_CHUNK']._serialized_start=616
-  _globals['_CHUNK']._serialized_end=656
-  _globals['_USAGE']._serialized_start=658
-  _globals['_USAGE']._serialized_end=715
-  _globals['_SPECULATIONSTATS']._serialized_start=718
-  _globals['_SPECULATIONSTATS']._serialized_end=1099
-  _globals['_RESULT']._serialized_start=1102
-  _globals['_RESULT']._serialized_end=1353
-  _globals['_GENERATERESPONSE']._serialized_start=1355
-  _globals['_GENERATERESPONSE']._serialized_end=1482
-  _globals['_SCALEDRAFTERSREQUEST']._serialized_start=1484
-  _globals['_SCALEDRAFTERSREQUEST']._serialized_end=1524
-  _globals['_SCALEDRAFTERSRESPONSE']._serialized_start=1526
-  _globals['_SCALEDRAFTERSRESPONSE']._serialized_end=1618
-  _globals['_LISTDRAFTERSREQUEST']._serialized_start=1620
-  _globals['_LISTDRAFTERSREQUEST']._serialized_end=1641
-  _globals['_DRAFTERREPLICA']._serialized_start=1643
-  _globals['_DRAFTERREPLICA']._serialized_end=1711
-  _globals['_LISTDRAFTERSRESPONSE']._serialized_start=1714
-  _globals['_LISTDRAFTERSRESPONSE']._serialized_end=1877
-  _globals['_LISTREQUESTSREQUEST']._serialized_start=1879
-  _globals['_LISTREQUESTSREQUEST']._serialized_end=1900
-  _globals['_REQUESTINFLIGHT']._serialized_start=1903
-  _globals['_REQUESTINFLIGHT']._serialized_end=2046
-  _globals['_LISTREQUESTSRESPONSE']._serialized_start=2048
-  _globals['_LISTREQUESTSRESPONSE']._serialized_end=2130
-  _globals['_SCALEVERIFIERSREQUEST']._serialized_start=2132
-  _globals['_SCALEVERIFIERSREQUEST']._serialized_end=2173
-  _globals['_LISTVERIFIERSREQUEST']._serialized_start=2175
-  _globals['_LISTVERIFIERSREQUEST']._serialized_end=2197
-  _globals['_VERIFIERREPLICA']._serialized_start=2200
-  _globals['_VERIFIERREPLICA']._serialized_end=2427
-  _globals['_LISTVERIFIERSRESPONSE']._serialized_start=2430
-  _globals['_LISTVERIFIERSRESPONSE']._serialized_end=2560
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=2660
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=2867
-  _globals['_ORCHESTRATORADMINSERVICE']._serialized_start=2870
-  _globals['_ORCHESTRATORADMINSERVICE']._serialized_end=3452
+  _globals['_FINISHREASON']._serialized_start=2645
+  _globals['_FINISHREASON']._serialized_end=2770
+  _globals['_CHATMESSAGE']._serialized_start=103
+  _globals['_CHATMESSAGE']._serialized_end=147
+  _globals['_CHAT']._serialized_start=149
+  _globals['_CHAT']._serialized_end=211
+  _globals['_TOKENIDS']._serialized_start=213
+  _globals['_TOKENIDS']._serialized_end=236
+  _globals['_GENERATEREQUEST']._serialized_start=239
+  _globals['_GENERATEREQUEST']._serialized_end=697
+  _globals['_CHUNK']._serialized_start=699
+  _globals['_CHUNK']._serialized_end=739
+  _globals['_USAGE']._serialized_start=741
+  _globals['_USAGE']._serialized_end=798
+  _globals['_SPECULATIONSTATS']._serialized_start=801
+  _globals['_SPECULATIONSTATS']._serialized_end=1182
+  _globals['_RESULT']._serialized_start=1185
+  _globals['_RESULT']._serialized_end=1436
+  _globals['_GENERATERESPONSE']._serialized_start=1438
+  _globals['_GENERATERESPONSE']._serialized_end=1565
+  _globals['_SCALEDRAFTERSREQUEST']._serialized_start=1567
+  _globals['_SCALEDRAFTERSREQUEST']._serialized_end=1607
+  _globals['_SCALEDRAFTERSRESPONSE']._serialized_start=1609
+  _globals['_SCALEDRAFTERSRESPONSE']._serialized_end=1701
+  _globals['_LISTDRAFTERSREQUEST']._serialized_start=1703
+  _globals['_LISTDRAFTERSREQUEST']._serialized_end=1724
+  _globals['_DRAFTERREPLICA']._serialized_start=1726
+  _globals['_DRAFTERREPLICA']._serialized_end=1794
+  _globals['_LISTDRAFTERSRESPONSE']._serialized_start=1797
+  _globals['_LISTDRAFTERSRESPONSE']._serialized_end=1960
+  _globals['_LISTREQUESTSREQUEST']._serialized_start=1962
+  _globals['_LISTREQUESTSREQUEST']._serialized_end=1983
+  _globals['_REQUESTINFLIGHT']._serialized_start=1986
+  _globals['_REQUESTINFLIGHT']._serialized_end=2129
+  _globals['_LISTREQUESTSRESPONSE']._serialized_start=2131
+  _globals['_LISTREQUESTSRESPONSE']._serialized_end=2213
+  _globals['_SCALEVERIFIERSREQUEST']._serialized_start=2215
+  _globals['_SCALEVERIFIERSREQUEST']._serialized_end=2256
+  _globals['_LISTVERIFIERSREQUEST']._serialized_start=2258
+  _globals['_LISTVERIFIERSREQUEST']._serialized_end=2280
+  _globals['_VERIFIERREPLICA']._serialized_start=2283
+  _globals['_VERIFIERREPLICA']._serialized_end=2510
+  _globals['_LISTVERIFIERSRESPONSE']._serialized_start=2513
+  _globals['_LISTVERIFIERSRESPONSE']._serialized_end=2643
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=2773
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=2980
+  _globals['_ORCHESTRATORADMINSERVICE']._serialized_start=2983
+  _globals['_ORCHESTRATORADMINSERVICE']._serialized_end=3565
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,152 @@
+"""Constrained output (JSON schema, regex, grammar) through the three real processes:
+greedy output token-identical to the target alone under the same constraint, whatever
+the drafter and K; every finished output valid under its constraint; a constraint that
+does not compile refused at once, naming the field."""
+
+import json
+import re
+import time
+
+import grpc
+import jsonschema
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from cluster import generate, pb
+from specdec import grammar
+from specdec.common.v1 import common_pb2
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "color"],
+          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "color": {"enum": ["red", "green", "blue"]}}}
+REGEX = r"(yes|no|maybe), [0-9]{2,4} (cats|dogs)"
+GBNF = 'root ::= "answer: " [a-z]+ " " [0-9]+'
+CONSTRAINTS = {
+    "json_schema": common_pb2.Constraint(json_schema=json.dumps(SCHEMA)),
+    "regex": common_pb2.Constraint(regex=REGEX),
+    "gbnf": common_pb2.Constraint(gbnf=GBNF),
+}
+PROMPTS = ["Reply in JSON: is the sky blue?", "Shopping list: eggs, milk, bread, eggs, milk,"]
+MAX_NEW = 48
+
+
+class Masked(LogitsProcessor):
+    """transformers' generate under a constraint: the target alone, masked as the verifier masks."""
+
+    def __init__(self, guide: grammar.Guide):
+        self.guide = guide
+
+    def __call__(self, input_ids, scores):
+        assert self.guide.sync(input_ids[0].tolist())
+        return grammar.apply(scores, self.guide.mask()[None])
+
+
+def constrained_reference(model, vocab: grammar.Vocabulary, constraint, ids: list[int], max_new: int) -> list[int]:
+    guide = vocab.guide(constraint, len(ids))
+    out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new,
+                         attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         logits_processor=LogitsProcessorList([Masked(guide)]), eos_token_id=2, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+def valid(kind: str, text: str) -> bool:
+    if kind == "json_schema":
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    return re.fullmatch(r"answer: [a-z]+ [0-9]+", text) is not None
+
+
+@pytest.fixture(scope="module")
+def vocab(smol_tokenizer):
+    return grammar.Vocabulary(smol_tokenizer, len(smol_tokenizer), [2])
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_pair, smol_tokenizer, vocab):
+    out = {}
+    for kind, constraint in CONSTRAINTS.items():
+        for prompt in PROMPTS:
+            ids = smol_tokenizer(prompt)["input_ids"]
+            out[kind, prompt] = ids, constrained_reference(tiny_pair[2], vocab, constraint, ids, MAX_NEW)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["model", "hybrid", "overlap"])
+@pytest.mark.parametrize("k", [None, 0, 4])
+def test_greedy_under_a_constraint_matches_the_target_alone(tiny_cluster, smol_tokenizer, expected, kind, k):
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles[kind])
+    finished = drafted = 0
+    for (name, prompt), (ids, want) in expected.items():
+        fields = {} if k is None else {"num_speculative_tokens": k}
+        chunks, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW,
+                                  constraint=CONSTRAINTS[name], **fields)
+        assert list(result.token_ids) == want, (name, prompt, smol_tokenizer.decode(result.token_ids))
+        text = "".join(c.text for c in chunks)
+        assert text == result.text
+        if result.finish_reason == pb.FINISH_REASON_STOP:
+            finished += 1
+            assert valid(name, text), (name, text)
+        drafted += result.stats.draft_tokens
+    assert finished >= len(expected) // 2  # the tiny target finishes most of them (the grammars end)
+    if k == 4:
+        assert drafted > 0
+
+
+def test_forced_tokens_are_drafted_and_accepted(tiny_cluster, expected):
+    """A schema's keys are forced: with the drafters' lookup unable to guess them, the
+    rounds still draft them, and the target accepts most."""
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    ids, want = expected["json_schema", PROMPTS[0]]
+    _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW, num_speculative_tokens=8,
+                         constraint=CONSTRAINTS["json_schema"])
+    assert list(result.token_ids) == want
+    assert result.stats.accepted_tokens >= 4, result.stats
+
+
+def test_json_object_and_lark(tiny_cluster, smol_tokenizer):
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["hybrid"])
+    ids = smol_tokenizer(PROMPTS[0])["input_ids"]
+    _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW,
+                         constraint=common_pb2.Constraint(json_object=True))
+    assert result.text.startswith("{")
+    if result.finish_reason == pb.FINISH_REASON_STOP:
+        assert isinstance(json.loads(result.text), dict)
+    _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW,
+                         constraint=common_pb2.Constraint(lark='start: "x" /[0-9]{3}/'))
+    assert re.fullmatch(r"x[0-9]{3}", result.text), result.text
+    assert result.finish_reason == pb.FINISH_REASON_STOP
+
+
+@pytest.mark.parametrize("constraint, field", [
+    (common_pb2.Constraint(json_schema='{"type": "object",'), "constraint.json_schema"),
+    (common_pb2.Constraint(json_schema='{"type": "nonsense"}'), "constraint.json_schema"),
+    (common_pb2.Constraint(regex="(unclosed"), "constraint.regex"),
+    (common_pb2.Constraint(lark="start: undefined_rule"), "constraint.lark"),
+    (common_pb2.Constraint(gbnf="root ::= ("), "constraint.gbnf"),
+    (common_pb2.Constraint(regex="a" * (grammar.MAX_GRAMMAR_BYTES + 1)), "constraint.regex"),
+])
+def test_a_bad_constraint_is_refused_naming_its_field(tiny_cluster, constraint, field):
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, text="hello", max_new_tokens=4, constraint=constraint)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field), err.value.details()
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_constraint_set_in_one_request_never_reaches_another(tiny_cluster, smol_tokenizer, expected):
+    """The verifier keeps a session's constraint: the same prompt without one, right after,
+    is the target's own output (its session is another)."""
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    ids, constrained = expected["regex", PROMPTS[1]]
+    _, with_it = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=16, constraint=CONSTRAINTS["regex"])
+    _, without = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=16)
+    assert list(with_it.token_ids) == constrained[:16] or list(with_it.token_ids) == constrained
+    assert not re.fullmatch(REGEX, without.text)
