@@ -307,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("bench-load", "many concurrent streams: batched, K fixed or load-aware, against no "
                                       "batching (--help for its flags)"),
                        ("bench-repeat", "requests that repeat each other (templates): the defaults against K = 0 "
-                                        "as the deployment sees more of them (--help for its flags)")):
+                                        "as the deployment sees more of them (--help for its flags)"),
+                       ("bench-structured", "JSON against a schema (extraction, function calls): the defaults "
+                                            "against K = 0 under the same constraint (--help for its flags)")):
         sub.add_parser(name, help=help, add_help=False)
     sub.add_parser("top", help="a live view of a deployment from its metrics endpoints (--help for its flags)",
                    add_help=False)
@@ -329,6 +331,10 @@ def main(argv=None) -> None:
         from deploy import bench_repeat
 
         bench_repeat.main(rest)
+    if args.command == "bench-structured":
+        from deploy import bench_structured
+
+        bench_structured.main(rest)
     if args.command == "top":
         from deploy import top
 

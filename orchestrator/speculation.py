@@ -201,11 +201,11 @@ class VerifierLink:
             self.features.window.add(response.features)
             self.stats.feature_bytes += len(response.features.data)
 
-    async def decode(self, history: list[int], max_tokens: int, stop: set[int]
+    async def decode(self, history: list[int], max_tokens: int, stop: set[int], draft_forced: bool = False
                      ) -> AsyncIterator[tuple[int, verifier_pb2.BatchPass]]:
         """The target alone after `history`: up to max_tokens tokens, each as soon as the
-        verifier picks it, ending after a stop token. A call that fails part-way goes on
-        from the tokens it gave."""
+        verifier picks it, ending after a stop token (`draft_forced`: see DecodeRequest).
+        A call that fails part-way goes on from the tokens it gave."""
         retry, got = _Retry(self), []
         while len(got) < max_tokens and not (got and got[-1] in stop):
             call = None
@@ -215,7 +215,8 @@ class VerifierLink:
                 request = verifier_pb2.DecodeRequest(
                     session_id=self.session_id, start=self.synced, new_tokens=sent[self.synced:],
                     sampling=self.params, max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop),
-                    features=self.features and self.features.request(len(sent)), **self._constraint())
+                    features=self.features and self.features.request(len(sent)), draft_forced=draft_forced,
+                    **self._constraint())
                 call = stub.Decode(request, timeout=self.deadline.timeout(self.timeout_s),
                                    metadata=self.metadata + tracing.headers())
                 async for message in call:
@@ -488,14 +489,15 @@ class _BesideRun:
 
 
 async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], history: list[int],
-                     verifier: VerifierLink, stats: Stats, trace_context, beside: "_BesideRun | None" = None
-                     ) -> AsyncIterator[int]:
+                     verifier: VerifierLink, stats: Stats, trace_context, beside: "_BesideRun | None" = None,
+                     draft_forced: bool = False) -> AsyncIterator[int]:
     """Up to `policy.run_length(budget)` tokens of the target alone, each yielded as it
     comes (the caller appends it to `history`); each counts as a round without drafts.
     `beside`: a probe of the drafter beside this run (what it costs the run's steps is
-    measured, where it answers before the run ends)."""
+    measured, where it answers before the run ends). `draft_forced`: the verifier drafts
+    a constraint's forced tokens itself."""
     span = tracing.tracer.start_span("decode", context=trace_context)
-    steps = verifier.decode(list(history), policy.run_length(budget), eos)
+    steps = verifier.decode(list(history), policy.run_length(budget), eos, draft_forced)
     started = last = first = time.perf_counter()
     tokens, passes = 0, []
     try:
@@ -554,7 +556,7 @@ async def speculate(
     produced = 0
     ahead: tuple[list[int], list[common_pb2.SparseDistribution]] | None = None  # drafted for the next round
     while produced < max_new_tokens:
-        by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max)
+        by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max, policy.forced_in_rounds)
         if guide is not None and guide.dead:
             return
         # A round commits at most K + 1 tokens: never draft past the budget.
@@ -580,17 +582,19 @@ async def speculate(
             return
 
 
-def _free_drafts(drafter: DrafterLink, guide: grammar.Guide | None, history: list[int], k_max: int) -> list[int]:
+def _free_drafts(drafter: DrafterLink, guide: grammar.Guide | None, history: list[int], k_max: int,
+                 forced: bool = True) -> list[int]:
     """Drafts that need no drafter call: under a constraint, the tokens its grammar forces
-    next; else the lookup match (cut after its first token the constraint forbids). Both
-    are drafted and priced alike: a round verifies them, so the output stays the target's."""
+    next (unless `forced` is off); else the lookup match (cut after its first token the
+    constraint forbids). Both are drafted and priced alike: a round verifies them, so the
+    output stays the target's."""
     if guide is None:
         return drafter.lookup_drafts(history, k_max)
     if not guide.sync(history):
         raise RuntimeError(f"the committed output left its constraint at position {guide.end}")
-    forced = guide.forced()
-    if forced:
-        return forced[:k_max]
+    ahead = guide.forced() if forced else []
+    if ahead:
+        return ahead[:k_max]
     return _allowed(guide, drafter.lookup_drafts(history, k_max))
 
 
@@ -687,17 +691,22 @@ async def _target_alone(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifi
     probe_k = policy.beside_run()
     beside = _BesideRun(drafter, history, probe_k) if probe_k else None
     check = policy.probes_beside_runs
+    # Under a constraint, where the policy may draft, the verifier drafts the forced tokens
+    # within the run (no round trip): the run is cut only for a lookup match.
+    draft_forced = guide is not None and policy.k_max > 0
+    if draft_forced:
+        by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max, forced=False)
     expected = by_lookup[:1] if check else []
     try:
         async with contextlib.aclosing(_plain_run(policy, budget, eos, history, verifier, stats,
-                                                  trace_context, beside)) as run:
+                                                  trace_context, beside, draft_forced)) as run:
             async for token in run:
                 if expected:
                     policy.observe_beside(1, int(token == expected[0]), None, lookup=True)
                     stats.lookups_checked += 1
                 history.append(token)
                 yield token
-                by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max)
+                by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max, forced=not draft_forced)
                 if policy.lookup_pays(len(by_lookup)):
                     stats.runs_cut += 1
                     return

@@ -145,12 +145,27 @@ class Guide:
             self._mask = None
         new = history[self.end:]
         if self.allowed(new) < len(new):  # checked first: a refused token ends the matcher for good
-            return False
+            return self._replay(history)
         if not new:
             return not self.matcher.is_error()
         self.end += len(new)
         self._mask = None
         return self.matcher.consume_tokens(new)
+
+    def _replay(self, history: list[int]) -> bool:
+        """A fresh matcher over the whole output, where the incremental one refused a token:
+        seen once, under CPU load, on a verifier whose session had been rolled back often
+        (not reproduced in isolation); a fresh matcher takes the same output."""
+        fresh = llguidance.LLMatcher(self.vocab.tokenizer, self.grammar, log_level=0, limits=LIMITS)
+        output = history[self.start:]
+        if fresh.validate_tokens(output) < len(output) if output else False:
+            return False
+        log.warning("constraint: the matcher refused token %d at position %d of an output it allows; "
+                    "replayed %d tokens on a fresh one", history[self.end + self.allowed(history[self.end:])],
+                    self.end + self.allowed(history[self.end:]), len(output))
+        fresh.consume_tokens(output)
+        self.matcher, self.end, self._mask = fresh, len(history), None
+        return True
 
     def advance(self, token: int) -> bool:
         """Consumes one more token; False (consuming nothing) where the grammar refuses it."""

@@ -41,15 +41,7 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
         logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
     if masks is not None:
         logits = grammar.apply(logits, masks)
-    params = request.sampling
-    if sampling.is_greedy(params):
-        accepted, token = accept_greedy(logits.argmax(dim=-1).tolist(), drafts)
-    else:
-        # The rule runs on the host, from one copy of p per round (K+1 rows): its draws
-        # come from host generators keyed by position, whatever the model's device.
-        p = sampling.probs(logits, params).cpu()
-        q = dense_q(list(request.draft_probs), drafts, p.shape[-1])
-        accepted, token = accept_sampled(p, q, drafts, n, Draws(params.seed, "accept"), Draws(params.seed, "target"))
+    accepted, token = judge(logits, drafts, list(request.draft_probs), request.sampling, n)
     if rows is not None:
         # Positions [first, n + accepted): each one's next token is committed.
         computed_from = len(seq.tokens) - len(rows)
@@ -59,10 +51,12 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
 
 async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_positions: int,
                  guide: grammar.Guide | None = None) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
-    """The target alone on a session: bring the cache to the committed history, then one
+    """The target alone on a session: bring the cache to the committed history, then a
     token per pass (each pass shared with the other sessions ready), each picked as a
     round without drafts would pick it (under the session's constraint, `guide`), until
     max_tokens, a stop token, the model's limit or a grammar that allows nothing more.
+    With `draft_forced`, the tokens the grammar forces after a pass's token are drafts of
+    the next pass, checked as a round checks drafts: a pass can commit several.
     With each token, the features asked for of the positions its pass computed."""
     seq.sync(request.start, list(request.new_tokens))
     if guide is not None:
@@ -70,15 +64,22 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     layers, first = tuple(request.features.layers), request.features.first_position
     end = len(seq.tokens) + min(request.max_tokens, max_positions - len(seq.tokens))
     stop, params = set(request.stop_token_ids), request.sampling
+    jump = guide is not None and request.draft_forced and not layers
+    pending: list[int] = []  # the drafts of the running pass (Engine.decode keeps them in the sequence)
 
-    def pick(logits: torch.Tensor) -> tuple[int, bool]:  # on the engine's thread
-        if guide is None:
-            token = own_token(logits, params, len(seq.tokens))
-            return token, token not in stop and len(seq.tokens) + 1 < end
-        token = own_token(grammar.apply(logits[None], guide.mask()[None])[0], params, len(seq.tokens))
-        guide.advance(token)
-        # Where the grammar allows nothing more, the run ends (the orchestrator ends the output).
-        return token, token not in stop and len(seq.tokens) + 1 < end and not guide.dead
+    def pick(logits: torch.Tensor) -> tuple[list[int], list[int], bool]:  # on the engine's thread
+        nonlocal pending
+        position = len(seq.tokens) - len(pending)  # of the pass's first pick
+        if guide is not None:
+            logits = grammar.apply(logits, guide.masks(pending))
+        accepted, token = judge(logits, pending, [], params, position)
+        tokens = _until_stop(pending[:accepted] + [token], stop)[:end - position]
+        if guide is not None:
+            for t in tokens:
+                guide.advance(t)
+        end_of_run = tokens[-1] in stop or position + len(tokens) >= end or (guide is not None and guide.dead)
+        pending = [] if end_of_run or not jump else guide.forced()[:end - position - len(tokens) - 1]
+        return tokens, pending, not end_of_run
 
     if not layers:
         async with contextlib.aclosing(seq.decode(pick)) as steps:  # closed with this generator
@@ -92,28 +93,40 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
             position += len(rows)
 
 
+def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in stop:
+            return tokens[:i + 1]
+    return tokens
+
+
+def judge(logits: torch.Tensor, drafts: list[int], draft_probs: list[common_pb2.SparseDistribution],
+          params: common_pb2.SamplingParams, start: int) -> tuple[int, int]:
+    """The acceptance rule over a pass's logits after the committed tokens and each draft
+    [K+1, vocab] (drafts from absolute position `start`): (accepted, the target's token)."""
+    if sampling.is_greedy(params):
+        return accept_greedy(logits.argmax(dim=-1).tolist(), drafts)
+    # The rule runs on the host, from one copy of p per round (K+1 rows): its draws come
+    # from host generators keyed by position, whatever the model's device.
+    p = sampling.probs(logits, params).cpu()
+    q = dense_q(draft_probs, drafts, p.shape[-1])
+    return accept_sampled(p, q, drafts, start, Draws(params.seed, "accept"), Draws(params.seed, "target"))
+
+
 def constrained(guide: grammar.Guide, committed: list[int], start: int, drafts: list[int]) -> torch.Tensor:
     """The constraint's masks for a pass after `committed` over the drafts; [K+1, vocab].
     `start`: the call's, from which the committed tokens may differ from those the guide
     took (a run's last picks its caller never read). INVALID_ARGUMENT where the committed
     output is not the grammar's, or it allows no token."""
     if not guide.sync(committed, since=start):
-        raise InvalidArgument("new_tokens", f"the session's constraint does not allow the committed tokens "
-                                            f"from position {guide.start} on")
+        refused = guide.end + guide.allowed(committed[guide.end:])
+        raise InvalidArgument("new_tokens", f"the session's constraint does not allow token {committed[refused]} "
+                                            f"at position {refused} (constrained from {guide.start})")
     masks = guide.masks(drafts)
     if not masks[0].any():
         raise InvalidArgument("constraint", "allows no token after the committed tokens "
                                             f"({guide.error or 'the grammar ends without accepting'})")
     return masks
-
-
-def own_token(logits: torch.Tensor, params: common_pb2.SamplingParams, position: int) -> int:
-    """The target's token at `position` after `logits` [vocab]: what `verify` returns
-    for a round without drafts (the same draw), for decoding without a round trip."""
-    if sampling.is_greedy(params):
-        return int(logits.argmax())
-    p = sampling.probs(logits[None], params).cpu()
-    return Draws(params.seed, "target").sample(p[-1], position)
 
 
 def accept_greedy(target_argmax: list[int], drafts: list[int]) -> tuple[int, int]:

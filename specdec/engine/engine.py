@@ -171,23 +171,37 @@ class Engine:
                 done.exception()  # nobody wants it now
             raise
 
-    async def decode(self, seq: PagedSequence, pick: Callable[[torch.Tensor], tuple[int, bool]],
+    async def decode(self, seq: PagedSequence, pick: Callable[[torch.Tensor], tuple[list[int], list[int], bool]],
                      layers: tuple[int, ...] = (), last: int = 1
                      ) -> AsyncIterator[tuple]:
-        """The target alone, one token per pass: pick(logits after the last token [vocab])
-        gives the next token and whether to go on. The token joins the sequence, and the
-        session the next pass, on the engine's thread: no hand-off to the caller between
-        passes, whose cost (a thread switch, the caller's own work) would fall on every
-        token. Yields each (token, pass) as it is picked; the last token is not computed.
-        With `layers`: (token, pass, features), the features of the positions the pass
-        computed (the first pass: the last `last` of the sequence; then one a pass)."""
+        """The target alone, a pass at a time: pick(logits after the last token and after
+        each draft the step before gave [1 + drafts, vocab]) gives the tokens the pass
+        commits (the drafts it keeps, then its own), the drafts to check in the next pass
+        (tokens the caller knows are likely, such as a grammar's forced ones) and whether
+        to go on. Drafts it does not keep leave the sequence; the committed tokens and the
+        drafts join it, and the session the next pass, on the engine's thread: no hand-off
+        to the caller between passes, whose cost (a thread switch, the caller's own work)
+        would fall on every token. Yields each (token, pass) as it is committed; the last
+        token is not computed. With `layers` (no drafts then): (token, pass, features),
+        the features of the positions the pass computed (the first pass: the last `last`
+        of the sequence; then one a pass)."""
         loop = asyncio.get_running_loop()
         picked: asyncio.Queue = asyncio.Queue()
+        pending: list[int] = []  # the drafts the running pass checks
 
         def then(logits: torch.Tensor, done: Pass, features: torch.Tensor | None) -> bool:
-            token, go_on = pick(logits[-1])
-            seq.extend([token])
-            loop.call_soon_threadsafe(picked.put_nowait, (token, done, features) if layers else (token, done))
+            nonlocal pending
+            tokens, drafts, go_on = pick(logits[-1 - len(pending):])
+            if len(tokens) - 1 < len(pending):  # the drafts it did not keep leave the sequence
+                keep = len(seq.tokens) - len(pending) + len(tokens) - 1
+                seq.tokens = seq.tokens[:keep]
+                self.crop(seq, keep)
+            if drafts and layers:
+                raise ValueError("a decode that returns features checks no drafts")
+            seq.extend(tokens[-1:] + drafts)
+            work.last, pending = 1 + len(drafts), drafts
+            for token in tokens:
+                loop.call_soon_threadsafe(picked.put_nowait, (token, done, features) if layers else (token, done))
             return go_on
 
         work = self.submit(seq, last, then=then, layers=layers)

@@ -57,7 +57,7 @@ class FakeVerifier:
             accepted += 1
         return accepted, target_next(history + drafts[:accepted]), None
 
-    async def decode(self, history, max_tokens, stop):
+    async def decode(self, history, max_tokens, stop, draft_forced=False):
         history = list(history)
         for _ in range(max_tokens):
             await asyncio.sleep(0)
@@ -71,6 +71,7 @@ class Cycle:
     """K per round from a fixed cycle, zeros included; K = 0 decodes runs of 1 to 3 steps."""
 
     probes_beside_runs = False
+    forced_in_rounds = False
 
     def __init__(self, ks, beside=0, run=None):
         self.ks, self.round, self.k_max = ks, 0, max(ks)

@@ -326,8 +326,8 @@ def test_decode_runs_the_target_alone_beside_other_rows(models):
     rows_seen = []
 
     def pick(logits):
-        token = int(logits.argmax())
-        return token, len(seq.tokens) + 1 < 30 + 12
+        token = int(logits[-1].argmax())
+        return [token], [], len(seq.tokens) + 1 < 30 + 12
 
     async def rounds():
         for i in range(8):
@@ -352,6 +352,48 @@ def test_decode_runs_the_target_alone_beside_other_rows(models):
     assert eng.blocks.available == eng.pool.capacity and not eng.queue
 
 
+def test_decode_checks_the_drafts_a_pick_gives_and_drops_those_it_rejects(models):
+    """A pick may give drafts for the next pass: the pass computes them with the token
+    before, the pick gets their logits too, and the drafts it does not keep leave the
+    sequence and the cache. Each pass's drafts here: the greedy answer's next two tokens
+    with the second one wrong, so each pass keeps one draft and rejects the other; the
+    output is still the target alone's, in fewer passes."""
+    eng = engine(models)
+    seq = eng.new_sequence()
+    prompt = tokens(20, 21)
+    want = greedy_reference(models, prompt, 14)
+    seq.sync(0, prompt)
+    pending, passes = [], []
+
+    def pick(logits):
+        nonlocal pending
+        assert logits.shape[0] == 1 + len(pending)
+        rows = logits.argmax(dim=-1).tolist()
+        kept = 0
+        while kept < len(pending) and pending[kept] == rows[kept]:
+            kept += 1
+        committed = pending[:kept] + [rows[kept]]
+        done = len(seq.tokens) - len(pending) + len(committed) - len(prompt)
+        go_on = done < len(want)
+        pending = [want[done], (want[done + 1] + 1) % 256] if go_on and done + 2 < len(want) else []
+        return committed, pending, go_on
+
+    async def go():
+        got = []
+        async for token, done in seq.decode(pick):
+            got.append(token)
+            passes.append(done)
+        return got
+
+    got = asyncio.run(go())
+    assert got == want
+    assert len({id(p) for p in passes}) < len(want) * 2 // 3  # passes committed two tokens
+    assert seq.tokens == prompt + want and seq.cached == len(seq.tokens) - 1
+    close(fresh(models, seq.tokens, 1)[0], fresh(models, prompt + want, 1)[0])
+    eng.release(seq)
+    assert eng.blocks.available == eng.pool.capacity and not eng.queue
+
+
 def test_decode_stopped_early_leaves_the_session_consistent(models):
     eng = engine(models)
     seq = eng.new_sequence()
@@ -360,7 +402,7 @@ def test_decode_stopped_early_leaves_the_session_consistent(models):
 
     async def go():
         got = []
-        steps = seq.decode(lambda logits: (int(logits.argmax()), True))
+        steps = seq.decode(lambda logits: ([int(logits[-1].argmax())], [], True))
         async for token, _ in steps:
             got.append(token)
             if len(got) == 3:
@@ -388,7 +430,7 @@ def test_a_failing_pick_ends_its_decode_not_the_engine(models):
         picks.append(1)
         if len(picks) == 3:
             raise ValueError("bad pick")
-        return int(logits.argmax()), True
+        return [int(logits[-1].argmax())], [], True
 
     async def go():
         got = []
@@ -444,7 +486,7 @@ def test_a_decode_whose_reader_left_abandons_its_pass_at_the_next_layer(models):
 
     def pick(logits):
         picks.append(1)
-        return int(logits.argmax()), True
+        return [int(logits[-1].argmax())], [], True
 
     def hold(*_):
         if armed[0]:
@@ -596,7 +638,7 @@ def test_an_error_outside_the_pass_fails_every_call_instead_of_hanging(models, m
     seq.sync(0, tokens(10, 48))
     if where == "_picked":
         async def decode():
-            async for _ in seq.decode(lambda logits: (int(logits.argmax()), True)):
+            async for _ in seq.decode(lambda logits: ([int(logits[-1].argmax())], [], True)):
                 pass
 
         with pytest.raises(Unavailable, match="engine failed"):
@@ -645,7 +687,7 @@ def test_a_decode_that_outgrows_the_pool_fails_and_stalls_nobody(models):
 
     async def go():
         async def decode():
-            async for _ in growing.decode(lambda logits: (int(logits.argmax()), True)):
+            async for _ in growing.decode(lambda logits: ([int(logits[-1].argmax())], [], True)):
                 pass
 
         with pytest.raises(Overloaded, match="KV pool"):
@@ -670,7 +712,7 @@ def test_a_call_cancelled_twice_still_waits_for_the_pass_that_holds_its_session(
 
     async def go():
         async def decode():
-            async for _ in seq.decode(lambda logits: (int(logits.argmax()), True)):
+            async for _ in seq.decode(lambda logits: ([int(logits[-1].argmax())], [], True)):
                 pass
 
         task = asyncio.ensure_future(seq.logits(1) if call == "forward" else decode())
@@ -811,7 +853,7 @@ def test_calls_are_not_held_up_by_a_decode_step_picking_its_token(models):
     def pick(logits):
         picking.set()
         assert picked.wait(10)
-        return int(logits.argmax()), False
+        return [int(logits[-1].argmax())], [], False
 
     async def go():
         return [token async for token, _ in seq.decode(pick)]

@@ -56,7 +56,7 @@ def test_features_come_with_the_same_logits_bits(models, kind):
             seq = engine.new_sequence()
             seq.sync(0, ids[:30])
             got = []
-            async for token, _, rows in seq.decode(lambda logits: (int(logits.argmax()), len(got) < 3),
+            async for token, _, rows in seq.decode(lambda logits: ([int(logits[-1].argmax())], [], len(got) < 3),
                                                    layers=LAYERS, last=10):
                 got.append((token, rows))
             return got

@@ -7,7 +7,7 @@ from scipy import stats
 
 from specdec import sampling
 from specdec.sampling import Draws
-from verifier_service.acceptance import accept_greedy, accept_sampled, dense_q, own_token
+from verifier_service.acceptance import accept_greedy, accept_sampled, dense_q
 from specdec.common.v1 import common_pb2
 
 
@@ -21,24 +21,6 @@ def test_greedy_first_mismatch_gives_the_correction():
 
 def test_greedy_no_drafts_is_one_target_step():
     assert accept_greedy([4], []) == (0, 4)
-
-
-def test_a_decoded_token_is_the_draw_of_a_round_without_drafts():
-    """Decode picks each token as Verify with no drafts would: the same draw at the same
-    position, so a request's output does not depend on which of the two ran it."""
-    torch.manual_seed(0)
-    for params in (common_pb2.SamplingParams(top_p=1.0),
-                   common_pb2.SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7),
-                   common_pb2.SamplingParams(temperature=1.3, top_p=1.0, seed=123)):
-        for position in range(20):
-            logits = torch.randn(1, 300) * 3
-            if sampling.is_greedy(params):
-                want = accept_greedy(logits.argmax(dim=-1).tolist(), [])[1]
-            else:
-                p = sampling.probs(logits, params)
-                want = accept_sampled(p, dense_q([], [], 300), [], position, Draws(params.seed, "accept"),
-                                      Draws(params.seed, "target"))[1]
-            assert own_token(logits[0], params, position) == want
 
 
 def test_dense_q_one_hot_without_distributions():

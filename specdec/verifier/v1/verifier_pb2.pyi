@@ -64,7 +64,7 @@ class BatchPass(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., free_kv_blocks: _Optional[int] = ..., waiting_sessions: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "start", "new_tokens", "sampling", "max_tokens", "stop_token_ids", "features", "constraint", "constraint_start")
+    __slots__ = ("session_id", "start", "new_tokens", "sampling", "max_tokens", "stop_token_ids", "features", "constraint", "constraint_start", "draft_forced")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class DecodeRequest(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_START_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORCED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -83,7 +84,8 @@ class DecodeRequest(_message.Message):
     features: FeatureRequest
     constraint: _common_pb2.Constraint
     constraint_start: int
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[FeatureRequest, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_start: _Optional[int] = ...) -> None: ...
+    draft_forced: bool
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[FeatureRequest, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_start: _Optional[int] = ..., draft_forced: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_id", "batch_pass", "features")

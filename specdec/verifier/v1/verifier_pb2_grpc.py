@@ -83,7 +83,8 @@ class VerifierServiceServicer:
         then decodes up to max_tokens tokens, one per forward pass (each shared with the
         other sessions ready at the same time), streaming each as soon as it is picked.
         It stops after a stop token. The tokens are the ones a sequence of Verify calls
-        with no drafts would return, greedy or sampled; a client that stops reading
+        with no drafts would return (with draft_forced: with the grammar's forced tokens as
+        drafts), greedy or sampled; a client that stops reading
         early keeps only what it read (the next call's `start` says what it holds).
         FAILED_PRECONDITION: as for Verify.
         """
