@@ -592,10 +592,13 @@ def _free_drafts(drafter: DrafterLink, guide: grammar.Guide | None, history: lis
         return drafter.lookup_drafts(history, k_max)
     if not guide.sync(history):
         raise RuntimeError(f"the committed output left its constraint at position {guide.end}")
-    ahead = guide.forced() if forced else []
-    if ahead:
+    ahead = guide.forced()
+    if forced and ahead:
         return ahead[:k_max]
-    return _allowed(guide, drafter.lookup_drafts(history, k_max))
+    found = _allowed(guide, drafter.lookup_drafts(history, k_max))
+    if not forced and found == ahead[:len(found)]:
+        return []  # nothing past what the verifier's run drafts anyway: no reason to leave the run
+    return found
 
 
 def _allowed(guide: grammar.Guide | None, drafts: list[int]) -> list[int]:

@@ -150,3 +150,73 @@ def test_a_constraint_set_in_one_request_never_reaches_another(tiny_cluster, smo
     _, without = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=16)
     assert list(with_it.token_ids) == constrained[:16] or list(with_it.token_ids) == constrained
     assert not re.fullmatch(REGEX, without.text)
+
+
+COLORS = "(red|green|blue|black|white|brown)"
+DRAWS = 2000
+
+
+def masked_outcomes(model, vocab, prompt: list[int], constraint, eos: int = 2) -> dict[tuple, float]:
+    """P(output) at temperature 1 under the constraint: every token path the grammar allows,
+    each step the model's distribution masked by the grammar and renormalised."""
+    outcomes = {}
+
+    def walk(prefix: tuple, prob: float):
+        guide = vocab.guide(constraint, len(prompt))
+        assert guide.sync(prompt + list(prefix))
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+        p = torch.softmax(grammar.apply(logits[None].float(), guide.mask()[None])[0].double(), dim=-1)
+        for token in torch.nonzero(p > 1e-12).flatten().tolist():
+            if token == eos:
+                outcomes[prefix + (token,)] = prob * p[token].item()
+            else:
+                walk(prefix + (token,), prob * p[token].item())
+
+    walk((), 1.0)
+    return outcomes
+
+
+def chi_square_p(counts: dict, expected: dict, n: int) -> float:
+    import numpy as np
+    from scipy import stats
+    exp = np.array([expected.get(o, 0.0) for o in expected]) * n
+    obs = np.array([counts.get(o, 0) for o in expected], dtype=float)
+    rare = exp < 5
+    if rare.any():
+        obs, exp = np.append(obs[~rare], obs[rare].sum()), np.append(exp[~rare], exp[rare].sum())
+    exp *= obs.sum() / exp.sum()
+    return stats.chisquare(obs, exp).pvalue
+
+
+def test_sampling_under_a_constraint_keeps_the_masked_distribution(tiny_cluster, tiny_pair, smol_tokenizer, vocab):
+    """2,000 draws at temperature 1 through the model drafter at K = 2 (its drafts checked by
+    the rejection rule on the masked p): the output paths follow the target's masked
+    distribution (chi-square); the draft's own masked distribution, a wrong rule that
+    would be right only if every draft were kept, is rejected by the same test."""
+    from concurrent.futures import ThreadPoolExecutor
+    from transformers import AutoModelForCausalLM
+    constraint = common_pb2.Constraint(regex=COLORS)
+    prompt = smol_tokenizer("My favourite colour is")["input_ids"]
+    exact = masked_outcomes(tiny_pair[2], vocab, prompt, constraint)
+    assert abs(sum(exact.values()) - 1) < 1e-6 and len(exact) > 6
+    draft = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).eval()
+    wrong = masked_outcomes(draft, vocab, prompt, constraint)
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+
+    def one(seed):
+        _, result = generate(stub, token_ids=pb.TokenIds(ids=prompt), max_new_tokens=12, temperature=1.0,
+                             seed=seed, num_speculative_tokens=2, constraint=constraint)
+        return tuple(result.token_ids), result.stats
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(DRAWS)))
+    counts = {}
+    for tokens, _ in results:
+        assert tokens in exact, f"{smol_tokenizer.decode(tokens)!r} has probability 0 under the constraint"
+        counts[tokens] = counts.get(tokens, 0) + 1
+    drafted = sum(s.draft_tokens for _, s in results)
+    accepted = sum(s.accepted_tokens for _, s in results)
+    assert 0.05 < accepted / drafted < 0.95, (accepted, drafted)  # rejections: the residual is exercised
+    assert chi_square_p(counts, exact, DRAWS) > 0.01
+    assert chi_square_p(counts, wrong, DRAWS) < 0.01

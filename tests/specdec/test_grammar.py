@@ -1,0 +1,119 @@
+"""specdec.grammar on the default target's tokenizer: what each kind of constraint allows,
+the masks a round checks its drafts with, forced tokens, and a matcher that follows a
+history that grows, is cut back and grows again."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from specdec import grammar
+from specdec.common.v1 import common_pb2
+from specdec.errors import InvalidArgument
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+
+
+@pytest.fixture(scope="module")
+def vocab(smol_tokenizer):
+    return grammar.Vocabulary(smol_tokenizer, len(smol_tokenizer), [2])
+
+
+def ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_the_output_a_schema_allows_and_its_end(vocab, smol_tokenizer):
+    guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(SCHEMA)), 3)
+    answer = ids(smol_tokenizer, '{"name": "Ada", "age": 36}')
+    assert guide.sync([7, 7, 7] + answer)  # the first 3 tokens are the prompt's
+    assert torch.nonzero(guide.mask()).flatten().tolist() == [2]  # only the end of sequence
+    fresh = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(SCHEMA)), 0)
+    assert fresh.allowed(ids(smol_tokenizer, '{"name": 5')) == len(ids(smol_tokenizer, '{"name": '))
+    assert not fresh.mask()[2]  # no end before the object
+
+
+@pytest.mark.parametrize("constraint, good, bad", [
+    (common_pb2.Constraint(regex=r"(yes|no), [0-9]+"), "no, 42", "maybe"),
+    (common_pb2.Constraint(json_object=True), '{"a": [1, 2]}', "[1]"),
+    (common_pb2.Constraint(lark='start: "x" /[0-9]{3}/'), "x123", "y"),
+    (common_pb2.Constraint(gbnf='root ::= "answer: " [a-z]+'), "answer: ok", "Answer"),
+])
+def test_each_kind_allows_its_language(vocab, smol_tokenizer, constraint, good, bad):
+    guide = vocab.guide(constraint, 0)
+    assert guide.allowed(ids(smol_tokenizer, good) + [2]) == len(ids(smol_tokenizer, good)) + 1
+    assert guide.allowed(ids(smol_tokenizer, bad)) < len(ids(smol_tokenizer, bad))
+
+
+def test_masks_follow_the_drafts_up_to_the_first_forbidden_one(vocab, smol_tokenizer):
+    guide = vocab.guide(common_pb2.Constraint(regex="(cat|dog)s? are nice"), 0)
+    drafts = ids(smol_tokenizer, "dogs are") + ids(smol_tokenizer, " bad")
+    masks = guide.masks(drafts)
+    assert masks.shape == (len(drafts) + 1, len(smol_tokenizer))
+    good = len(ids(smol_tokenizer, "dogs are"))
+    for i in range(good):  # each draft is allowed where it stands
+        assert masks[i, drafts[i]]
+    assert not masks[good, drafts[good]]  # the forbidden one is not: the round rejects it
+    assert guide.end == 0 and torch.equal(guide.mask(), masks[0])  # the matcher is where it was
+
+
+def test_forced_tokens_are_the_schemas_fixed_text(vocab, smol_tokenizer):
+    """The bytes a schema fixes, as the tokenizer writes them (its last token held back
+    where a longer one could still start there)."""
+    guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(SCHEMA)), 0)
+    assert smol_tokenizer.decode(guide.forced()) == '{"name":'
+    guide.sync(ids(smol_tokenizer, '{"name": "Ada'))
+    assert guide.forced() == []  # the string may go on
+    guide.sync(ids(smol_tokenizer, '{"name": "Ada", "'))
+    assert smol_tokenizer.decode(guide.forced()) == 'age":'
+
+
+def test_the_matcher_follows_a_history_cut_back_and_rewritten(vocab, smol_tokenizer):
+    """A run's last picks its caller never read are rolled back (`since`), and the history
+    then grows another way."""
+    guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(SCHEMA)), 2)
+    prompt = [5, 5]
+    first = prompt + ids(smol_tokenizer, '{"name": "Bob", "age": 4')
+    assert guide.sync(first)
+    second = prompt + ids(smol_tokenizer, '{"name": "Bo"')
+    assert guide.sync(second, since=len(prompt) + 4)
+    assert guide.end == len(second)
+    reference = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(SCHEMA)), 2)
+    reference.sync(second)
+    assert torch.equal(guide.mask(), reference.mask())
+    assert not guide.sync(second + ids(smol_tokenizer, "]"))  # refused, and nothing consumed
+    assert guide.end == len(second) and torch.equal(guide.mask(), reference.mask())
+
+
+@pytest.mark.parametrize("constraint, field", [
+    (common_pb2.Constraint(json_schema="{"), "constraint.json_schema"),
+    (common_pb2.Constraint(json_schema="[]"), "constraint.json_schema"),
+    (common_pb2.Constraint(json_schema='{"type": "integer", "minimum": "x"}'), "constraint.json_schema"),
+    (common_pb2.Constraint(regex="a{2,1}"), "constraint.regex"),
+    (common_pb2.Constraint(lark="start: other"), "constraint.lark"),
+    (common_pb2.Constraint(gbnf="root ::= [a-"), "constraint.gbnf"),
+    (common_pb2.Constraint(regex=""), "constraint.regex"),
+    (common_pb2.Constraint(lark="x" * (grammar.MAX_GRAMMAR_BYTES + 1)), "constraint.lark"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_at_once(vocab, constraint, field):
+    started = time.monotonic()
+    with pytest.raises(InvalidArgument) as err:
+        vocab.guide(constraint, 0)
+    assert err.value.field.startswith(field)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_large_alternation_compiles_within_its_bound(vocab):
+    """A schema of a thousand enum values: compiled in well under a second."""
+    schema = {"type": "object", "properties": {"code": {"enum": [f"code-{i:04d}" for i in range(1000)]}},
+              "required": ["code"]}
+    started = time.monotonic()
+    guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(schema)), 0)
+    guide.mask()
+    assert time.monotonic() - started < 1.0
+
+
+def test_no_constraint_is_none(vocab):
+    assert vocab.guide(common_pb2.Constraint(), 0) is None
