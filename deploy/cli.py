@@ -22,6 +22,11 @@ def generate(args) -> int:
         request.seed = args.seed
     if args.k is not None:
         request.num_speculative_tokens = args.k
+    for kind in ("json_schema", "regex", "lark", "gbnf"):
+        if getattr(args, kind) is not None:
+            setattr(request.constraint, kind, getattr(args, kind))
+    if args.json_object:
+        request.constraint.json_object = True
     from deploy.launch import channel as open_channel
 
     credentials = client_credentials(args)
@@ -248,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None)
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", help="constrain the output to this JSON schema (JSON text)")
+    shape.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    shape.add_argument("--regex", help="constrain the output to this regular expression")
+    shape.add_argument("--lark", help="constrain the output to this Lark grammar (start rule `start`)")
+    shape.add_argument("--gbnf", help="constrain the output to this GBNF grammar (start rule `root`)")
     g.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the orchestrator to be up")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     add_client_flags(g)

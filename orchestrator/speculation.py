@@ -556,9 +556,11 @@ async def speculate(
     produced = 0
     ahead: tuple[list[int], list[common_pb2.SparseDistribution]] | None = None  # drafted for the next round
     while produced < max_new_tokens:
+        if guide is not None:
+            _follow(guide, history)
+            if guide.dead:
+                return
         by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max, policy.forced_in_rounds)
-        if guide is not None and guide.dead:
-            return
         # A round commits at most K + 1 tokens: never draft past the budget.
         k_round = min(policy.choose(len(by_lookup)), max_new_tokens - produced - 1)
         if k_round <= 0:
@@ -584,21 +586,24 @@ async def speculate(
 
 def _free_drafts(drafter: DrafterLink, guide: grammar.Guide | None, history: list[int], k_max: int,
                  forced: bool = True) -> list[int]:
-    """Drafts that need no drafter call: under a constraint, the tokens its grammar forces
-    next (unless `forced` is off); else the lookup match (cut after its first token the
-    constraint forbids). Both are drafted and priced alike: a round verifies them, so the
-    output stays the target's."""
+    """Drafts that need no drafter call: the lookup match; under a constraint, the tokens
+    its grammar forces next where `forced` (else none: the verifier drafts those within
+    its runs, and a lookup match there mostly repeats them, so its checks would price
+    lookup rounds by tokens the runs get anyway; measured on 2 cores, whole structured
+    requests 0.5-0.6x K = 0 where such rounds ran), or the lookup match cut after its
+    first token the constraint forbids. A round verifies them: the output stays the
+    target's."""
     if guide is None:
         return drafter.lookup_drafts(history, k_max)
-    if not guide.sync(history):
+    if not forced or k_max == 0:
+        return []
+    _follow(guide, history)
+    return guide.forced()[:k_max] or _allowed(guide, drafter.lookup_drafts(history, k_max))
+
+
+def _follow(guide: grammar.Guide, history: list[int]) -> None:
+    if not guide.sync(history):  # every committed token was the verifier's pick under the same grammar
         raise RuntimeError(f"the committed output left its constraint at position {guide.end}")
-    ahead = guide.forced()
-    if forced and ahead:
-        return ahead[:k_max]
-    found = _allowed(guide, drafter.lookup_drafts(history, k_max))
-    if not forced and found == ahead[:len(found)]:
-        return []  # nothing past what the verifier's run drafts anyway: no reason to leave the run
-    return found
 
 
 def _allowed(guide: grammar.Guide | None, drafts: list[int]) -> list[int]:
