@@ -221,6 +221,9 @@ class VerifierLink:
                                    metadata=self.metadata + tracing.headers())
                 async for message in call:
                     got.append(message.token_id)
+                    # The forced tokens the verifier drafted within the run (draft_forced).
+                    self.stats.draft_tokens += message.drafted + message.drafts_rejected
+                    self.stats.accepted_tokens += message.drafted
                     self.synced = len(history) + len(got)  # it holds each token it picked
                     self._answered(message.batch_pass)
                     self._features(message)

@@ -6,6 +6,7 @@ tokens. The target keeps the longest accepted prefix and adds one token: the
 *correction* at the first rejected position, or the *bonus* when all were accepted.
 """
 
+import collections
 import contextlib
 from typing import AsyncIterator
 
@@ -50,14 +51,17 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
 
 
 async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_positions: int,
-                 guide: grammar.Guide | None = None) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
+                 guide: grammar.Guide | None = None, drafts_of: collections.deque | None = None
+                 ) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
     """The target alone on a session: bring the cache to the committed history, then a
     token per pass (each pass shared with the other sessions ready), each picked as a
     round without drafts would pick it (under the session's constraint, `guide`), until
     max_tokens, a stop token, the model's limit or a grammar that allows nothing more.
     With `draft_forced`, the tokens the grammar forces after a pass's token are drafts of
     the next pass, checked as a round checks drafts: a pass can commit several.
-    With each token, the features asked for of the positions its pass computed."""
+    With each token, the features asked for of the positions its pass computed; into
+    `drafts_of`, for each token in order: (whether it was a kept draft, the drafts its
+    pass rejected where it is the pass's own token)."""
     seq.sync(request.start, list(request.new_tokens))
     if guide is not None:
         constrained(guide, seq.tokens, request.start, [])
@@ -74,6 +78,10 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
             logits = grammar.apply(logits, guide.masks(pending))
         accepted, token = judge(logits, pending, [], params, position)
         tokens = _until_stop(pending[:accepted] + [token], stop)[:end - position]
+        if drafts_of is not None:
+            own = len(tokens) - 1 >= accepted  # the last token is the pass's own (not a draft cut short)
+            drafts_of.extend((True, 0) for _ in tokens[:-1])
+            drafts_of.append((not own, len(pending) - accepted if own else 0))
         if guide is not None:
             for t in tokens:
                 guide.advance(t)

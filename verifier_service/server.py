@@ -4,6 +4,7 @@ drafts, batched with the rounds of the other sessions that are ready at the same
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -135,10 +136,14 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                     # Closed before the session is let go, wherever the stream stops (a caller
                     # that cancels leaves this generator at its yield): the decoding must end
                     # before another call may touch the session.
-                    async with contextlib.aclosing(decode(seq, request, self.info.max_positions, guide)) as steps:
+                    drafts_of = collections.deque()  # filled on the engine's thread, in token order
+                    async with contextlib.aclosing(decode(seq, request, self.info.max_positions, guide,
+                                                          drafts_of)) as steps:
                         async for token, done, features in steps:
+                            drafted, rejected = drafts_of.popleft()
                             yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done),
-                                                              features=features)
+                                                              features=features, drafted=drafted,
+                                                              drafts_rejected=rejected)
         except ServiceError as err:
             await abort(context, err)
 

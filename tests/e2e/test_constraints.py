@@ -220,3 +220,18 @@ def test_sampling_under_a_constraint_keeps_the_masked_distribution(tiny_cluster,
     assert 0.05 < accepted / drafted < 0.95, (accepted, drafted)  # rejections: the residual is exercised
     assert chi_square_p(counts, exact, DRAWS) > 0.01
     assert chi_square_p(counts, wrong, DRAWS) < 0.01
+
+
+def test_the_verifier_drafts_forced_tokens_within_its_runs(tiny_cluster, expected):
+    """With K chosen per round, a schema's fixed text is drafted by the verifier in its runs
+    of the target alone (counted as drafted and accepted), the output still the target's;
+    at K = 0 nothing is drafted."""
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    ids, want = expected["json_schema", PROMPTS[0]]
+    _, adaptive = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW,
+                           constraint=CONSTRAINTS["json_schema"])
+    _, alone = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW, num_speculative_tokens=0,
+                        constraint=CONSTRAINTS["json_schema"])
+    assert list(adaptive.token_ids) == list(alone.token_ids) == want
+    assert adaptive.stats.accepted_tokens >= 4 and adaptive.stats.draft_tokens >= adaptive.stats.accepted_tokens
+    assert alone.stats.draft_tokens == 0

@@ -88,14 +88,18 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[FeatureRequest, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_start: _Optional[int] = ..., draft_forced: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_id", "batch_pass", "features")
+    __slots__ = ("token_id", "batch_pass", "features", "drafted", "drafts_rejected")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_PASS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     batch_pass: BatchPass
     features: _common_pb2.Features
-    def __init__(self, token_id: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    drafted: bool
+    drafts_rejected: int
+    def __init__(self, token_id: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., drafted: _Optional[bool] = ..., drafts_rejected: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
