@@ -180,10 +180,10 @@ class _LocalVerifier:
         request = verifier_pb2.VerifyRequest(start=self.synced, new_tokens=history[self.synced:],
                                              draft_tokens=drafts, draft_probs=qs, sampling=self.params)
         self.synced = len(history)
-        accepted, token, done, _ = await self.verify_round(self.seq, request)
+        accepted, token, done, *_ = await self.verify_round(self.seq, request)
         return accepted, token, done
 
-    async def decode(self, history, max_tokens, stop):
+    async def decode(self, history, max_tokens, stop, draft_forced=False):
         request = verifier_pb2.DecodeRequest(start=self.synced, new_tokens=history[self.synced:],
                                              sampling=self.params, max_tokens=max_tokens, stop_token_ids=sorted(stop))
         self.synced = len(history)

@@ -37,10 +37,10 @@ FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.F
 # prompt_cache_key are labels and hints, which change no output).
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "user", "n", "response_format", "top_k", "specdec",
-            "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
+            "safety_identifier", "prompt_cache_key", "parallel_tool_calls", "logprobs", "top_logprobs"}
 # Refused unless they ask for what the server does anyway (the values listed; absent or
 # null always passes).
-AS_DEFAULT = {"logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+AS_DEFAULT = {"best_of": (1,), "echo": (False,), "suffix": ("",),
               "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
               "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "metadata": ({},),
               "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
@@ -146,6 +146,13 @@ class OpenAIFront:
     def _request(self, body: dict, max_tokens_field: str = "max_tokens") -> pb.GenerateRequest:
         """The GenerateRequest of the common sampling fields (the prompt is set by the caller)."""
         request = pb.GenerateRequest(request_id=str(_field(body, "user", str, "") or ""))
+        if max_tokens_field == "max_tokens":  # completions: logprobs is the number of top tokens
+            top = _field(body, "logprobs", int)
+            if top is not None:
+                request.logprobs, request.top_logprobs = True, top
+        else:  # chat: logprobs a flag, top_logprobs the number
+            request.logprobs = bool(_field(body, "logprobs", bool, False))
+            request.top_logprobs = _field(body, "top_logprobs", int, 0)
         max_tokens = _field(body, max_tokens_field, int)
         if max_tokens is None and max_tokens_field != "max_tokens":
             max_tokens = _field(body, "max_tokens", int)
@@ -219,25 +226,47 @@ class OpenAIFront:
         stream = bool(_field(body, "stream", bool, False))
         usage_in_stream = bool((_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
         async with contextlib.aclosing(self.servicer.generate(generate, _Context())) as events:
-            return await self._answer(request, events, chat, stream, usage_in_stream)
+            return await self._answer(request, events, chat, stream, usage_in_stream, generate.logprobs)
+
+    def _logprobs(self, entries, chat: bool) -> dict:
+        """OpenAI's logprobs object: chat's `content` list, or completions' four lists."""
+        def token(i: int) -> str:
+            return self.servicer.tokenizer.decode([i])
+
+        if chat:
+            return {"content": [
+                {"token": token(e.token_id), "logprob": e.logprob, "bytes": list(token(e.token_id).encode()),
+                 "top_logprobs": [{"token": token(i), "logprob": v, "bytes": list(token(i).encode())}
+                                  for i, v in zip(e.top_token_ids, e.top_logprobs)]} for e in entries],
+                "refusal": None}
+        tokens = [token(e.token_id) for e in entries]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{token(i): v for i, v in zip(e.top_token_ids, e.top_logprobs)} for e in entries],
+                "text_offset": offsets}
 
     async def _answer(self, request: web.Request, events, chat: bool, stream: bool,
-                      usage_in_stream: bool) -> web.StreamResponse:
+                      usage_in_stream: bool, asked: bool = False) -> web.StreamResponse:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         if not stream:
-            text, result = [], None
+            text, result, logprobs = [], None, []
             async for event in events:
                 if event.HasField("chunk"):
                     text.append(event.chunk.text)
+                    logprobs.extend(event.chunk.logprobs)
                 else:
                     result = event.result
             choice = {"index": 0, "finish_reason": FINISH.get(result.finish_reason, "stop")}
             if chat:
                 choice["message"] = {"role": "assistant", "content": "".join(text)}
+                choice["logprobs"] = self._logprobs(logprobs, chat) if asked else None
             else:
-                choice.update(text="".join(text), logprobs=None)
+                choice.update(text="".join(text), logprobs=self._logprobs(logprobs, chat) if asked else None)
             return web.json_response({"id": ident, "object": kind, "created": created, "model": self.model_name,
                                       "choices": [choice], "usage": _usage(result), "specdec": _stats(result)})
 
@@ -247,12 +276,15 @@ class OpenAIFront:
         await response.prepare(request)
         kind += ".chunk" if chat else ""
 
-        async def send(delta: dict | None = None, finish=None, extra=None):
+        async def send(delta: dict | None = None, finish=None, extra=None, logprobs=()):
             choice = {"index": 0, "finish_reason": finish}
             if chat:
                 choice["delta"] = delta or {}
+                if asked:
+                    choice["logprobs"] = self._logprobs(logprobs, chat)
             else:
-                choice.update(text=(delta or {}).get("content", ""), logprobs=None)
+                choice.update(text=(delta or {}).get("content", ""),
+                              logprobs=self._logprobs(logprobs, chat) if asked else None)
             event = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [choice],
                      **(extra or {})}
             await response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
@@ -263,8 +295,8 @@ class OpenAIFront:
         try:
             while True:
                 if event.HasField("chunk"):
-                    if event.chunk.text:
-                        await send({"content": event.chunk.text})
+                    if event.chunk.text or (asked and event.chunk.logprobs):
+                        await send({"content": event.chunk.text}, logprobs=event.chunk.logprobs)
                 else:
                     result = event.result
                     await send({}, FINISH.get(result.finish_reason, "stop"), {"specdec": _stats(result)})

@@ -38,6 +38,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters; the text stream holds back up to this much
 PLACEMENT_WAIT_S = 20.0  # how long ScaleDrafters waits to tell placed replicas from pending ones
 MAX_REQUEST_ID = 128
+MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -68,6 +69,7 @@ class Request:
     stop: list[str]
     constraint: common_pb2.Constraint | None = None
     guide: grammar.Guide | None = None  # the output's place in its constraint
+    top_logprobs: int | None = None  # None: no log-probabilities asked for
 
 
 @dataclass
@@ -139,8 +141,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         seed = r.seed if r.HasField("seed") else random.getrandbits(63)
         params = common_pb2.SamplingParams(temperature=temperature, top_k=r.top_k, top_p=top_p, seed=seed)
         guide = self.vocab.guide(r.constraint, len(prompt)) if r.constraint.WhichOneof("kind") else None
+        if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS or (r.top_logprobs and not r.logprobs):
+            raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], with logprobs set; "
+                                                  f"got {r.top_logprobs}")
         return Request(r.request_id or uuid.uuid4().hex, prompt, max_new, k, params, list(r.stop),
-                       r.constraint if guide is not None else None, guide)
+                       r.constraint if guide is not None else None, guide, r.top_logprobs if r.logprobs else None)
 
     def prompt_ids(self, r: pb.GenerateRequest) -> list[int]:
         which = r.WhichOneof("prompt")
@@ -216,7 +221,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         verifier = VerifierLink(self.verifiers, session_id, req.prompt, req.params, stats,
                                 self.limits.verifier_timeout_s,
                                 retry_s=self.limits.verifier_retry_s, deadline=deadline, metadata=labelled,
-                                features=feed, constraint=req.constraint)
+                                features=feed, constraint=req.constraint, top_logprobs=req.top_logprobs)
         # Greedy requests only draft from other requests' outputs: a sampled request's tokens
         # depend on its drafts (their distribution does not), and its seed must reproduce them.
         drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
@@ -238,9 +243,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                trace_context=trace.set_span_in_context(span), guide=req.guide)
             async with contextlib.aclosing(rounds):  # a stop string ends it early: stop its drafting too
                 async for new in rounds:
+                    position = len(req.prompt) + len(text.ids)
                     ids, delta = text.add(new)
                     last = metrics.tokens(started, last, len(ids))
-                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=delta))
+                    logprobs = [verifier.logprobs.pop(position + i) for i in range(len(ids))] \
+                        if req.top_logprobs is not None else []
+                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=delta, logprobs=logprobs))
                     if text.stop_hit is not None:
                         break
             tail = text.finish()

@@ -121,8 +121,12 @@ class VerifierLink:
     def __init__(self, pool: "VerifierPool", session_id: str, prompt: list[int],
                  params: common_pb2.SamplingParams, stats: Stats, timeout_s: float, retry_s: float = 15.0,
                  deadline: Deadline = Deadline(None), metadata=(), features: "FeatureFeed | None" = None,
-                 constraint: common_pb2.Constraint | None = None):
+                 constraint: common_pb2.Constraint | None = None, top_logprobs: int | None = None):
         self.pool, self.session_id, self.prompt = pool, session_id, prompt
+        # With top_logprobs (None: none asked): the target's log-probabilities of each
+        # committed token, by position, as the calls bring them.
+        self.top_logprobs = top_logprobs
+        self.logprobs: dict[int, common_pb2.TokenLogprobs] = {}
         self.constraint = constraint  # the output's, sent with each call that (re)creates the session
         self.features = features  # the target's features a feature drafter reads, kept as they come
         self.params, self.stats = params, stats
@@ -167,10 +171,12 @@ class VerifierLink:
             self.pool.release(self.left)
 
     def _constraint(self) -> dict:
-        """The request fields that set the session's constraint: at start = 0 only."""
+        """The request fields of the session's constraint (at start = 0 only) and of the
+        log-probabilities asked for."""
+        fields = {} if self.top_logprobs is None else {"logprobs": True, "top_logprobs": self.top_logprobs}
         if self.constraint is None or self.synced > 0:
-            return {}
-        return {"constraint": self.constraint, "constraint_start": len(self.prompt)}
+            return fields
+        return {"constraint": self.constraint, "constraint_start": len(self.prompt), **fields}
 
     def _answered(self, batch_pass: verifier_pb2.BatchPass) -> None:
         self.pool.observe(self.replica, batch_pass)
@@ -194,6 +200,8 @@ class VerifierLink:
             self.synced = len(history)
             self._answered(response.batch_pass)
             self._features(response)
+            for i, logprobs in enumerate(response.logprobs):
+                self.logprobs[len(history) + i] = logprobs
             return response.num_accepted, response.next_token, response.batch_pass
 
     def _features(self, response) -> None:
@@ -224,6 +232,8 @@ class VerifierLink:
                     # The forced tokens the verifier drafted within the run (draft_forced).
                     self.stats.draft_tokens += message.drafted + message.drafts_rejected
                     self.stats.accepted_tokens += message.drafted
+                    if message.HasField("logprobs"):
+                        self.logprobs[len(history) + len(got) - 1] = message.logprobs
                     self.synced = len(history) + len(got)  # it holds each token it picked
                     self._answered(message.batch_pass)
                     self._features(message)

@@ -43,15 +43,31 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
     if masks is not None:
         logits = grammar.apply(logits, masks)
     accepted, token = judge(logits, drafts, list(request.draft_probs), request.sampling, n)
+    logprobs = [token_logprobs(logits[i], t, request.top_logprobs)
+                for i, t in enumerate(drafts[:accepted] + [token])] if request.logprobs else []
     if rows is not None:
         # Positions [first, n + accepted): each one's next token is committed.
         computed_from = len(seq.tokens) - len(rows)
         features = encode_features(first, rows[first - computed_from:n + accepted - computed_from])
-    return accepted, token, done, features
+    return accepted, token, done, features, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> common_pb2.TokenLogprobs:
+    """The target's log-probabilities at a position (its logits there, after any
+    constraint: a forbidden token is -inf and never among the top ones)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    out = common_pb2.TokenLogprobs(token_id=token, logprob=float(logprobs[token]))
+    if top:
+        values, ids = torch.topk(logprobs, top)
+        for value, i in zip(values.tolist(), ids.tolist()):
+            if value != float("-inf"):
+                out.top_token_ids.append(i)
+                out.top_logprobs.append(value)
+    return out
 
 
 async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_positions: int,
-                 guide: grammar.Guide | None = None, drafts_of: collections.deque | None = None
+                 guide: grammar.Guide | None = None, notes: collections.deque | None = None
                  ) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
     """The target alone on a session: bring the cache to the committed history, then a
     token per pass (each pass shared with the other sessions ready), each picked as a
@@ -60,8 +76,8 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     With `draft_forced`, the tokens the grammar forces after a pass's token are drafts of
     the next pass, checked as a round checks drafts: a pass can commit several.
     With each token, the features asked for of the positions its pass computed; into
-    `drafts_of`, for each token in order: (whether it was a kept draft, the drafts its
-    pass rejected where it is the pass's own token)."""
+    `notes`, for each token in order: (whether it was a kept draft, the drafts its pass
+    rejected where it is the pass's own token, its log-probabilities if asked)."""
     seq.sync(request.start, list(request.new_tokens))
     if guide is not None:
         constrained(guide, seq.tokens, request.start, [])
@@ -78,10 +94,12 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
             logits = grammar.apply(logits, guide.masks(pending))
         accepted, token = judge(logits, pending, [], params, position)
         tokens = _until_stop(pending[:accepted] + [token], stop)[:end - position]
-        if drafts_of is not None:
+        if notes is not None:
             own = len(tokens) - 1 >= accepted  # the last token is the pass's own (not a draft cut short)
-            drafts_of.extend((True, 0) for _ in tokens[:-1])
-            drafts_of.append((not own, len(pending) - accepted if own else 0))
+            for i, t in enumerate(tokens):
+                logprobs = token_logprobs(logits[i], t, request.top_logprobs) if request.logprobs else None
+                notes.append((i < len(tokens) - 1 or not own, len(pending) - accepted if own and i == len(tokens) - 1
+                              else 0, logprobs))
         if guide is not None:
             for t in tokens:
                 guide.advance(t)

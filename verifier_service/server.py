@@ -33,6 +33,14 @@ def batch_pass(done) -> verifier_pb2.BatchPass:
                                   free_kv_blocks=done.free_blocks, waiting_sessions=done.waiting)
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def check_top_logprobs(top: int) -> None:
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+
+
 def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> None:
     if not request.draft_probs:
         return
@@ -93,6 +101,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             if len(request.draft_tokens) > MAX_DRAFT_TOKENS:
                 raise InvalidArgument("draft_tokens", f"at most {MAX_DRAFT_TOKENS}, got {len(request.draft_tokens)}")
             sampling.validate(request.sampling)
+            check_top_logprobs(request.top_logprobs)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
             check_token_ids("draft_tokens", request.draft_tokens, self.info.vocab_size)
             check_draft_probs(request, self.info.vocab_size)
@@ -105,10 +114,10 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             with tracing.server_span("verifier.Verify", context, session_id=request.session_id,
                                      new_tokens=len(request.new_tokens), drafts=len(request.draft_tokens)) as span:
                 async with self.model_work(session) as seq:
-                    a, t, done, features = await verify(seq, request, await self.guide(request, session))
+                    a, t, done, features, logprobs = await verify(seq, request, await self.guide(request, session))
                 span.set_attributes({"accepted": a, "batch_rows": done.rows})
             return verifier_pb2.VerifyResponse(num_accepted=a, next_token=t, batch_pass=batch_pass(done),
-                                               features=features)
+                                               features=features, logprobs=logprobs)
         except ServiceError as err:
             await abort(context, err)
 
@@ -122,6 +131,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             if len(request.stop_token_ids) > MAX_STOP_TOKENS:
                 raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_TOKENS}, got {len(request.stop_token_ids)}")
             sampling.validate(request.sampling)
+            check_top_logprobs(request.top_logprobs)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
             check_token_ids("stop_token_ids", request.stop_token_ids, self.info.vocab_size)
             if request.start == 0 and not request.new_tokens:
@@ -136,14 +146,14 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                     # Closed before the session is let go, wherever the stream stops (a caller
                     # that cancels leaves this generator at its yield): the decoding must end
                     # before another call may touch the session.
-                    drafts_of = collections.deque()  # filled on the engine's thread, in token order
+                    notes = collections.deque()  # filled on the engine's thread, in token order
                     async with contextlib.aclosing(decode(seq, request, self.info.max_positions, guide,
-                                                          drafts_of)) as steps:
+                                                          notes)) as steps:
                         async for token, done, features in steps:
-                            drafted, rejected = drafts_of.popleft()
+                            drafted, rejected, logprobs = notes.popleft()
                             yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done),
                                                               features=features, drafted=drafted,
-                                                              drafts_rejected=rejected)
+                                                              drafts_rejected=rejected, logprobs=logprobs)
         except ServiceError as err:
             await abort(context, err)
 

@@ -90,3 +90,46 @@ def test_the_openai_client_streams_a_chat_completion(up, target):
                                             max_tokens=MAX_NEW, temperature=0, stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == want
     client.close()
+
+
+def test_logprobs_are_the_same_bits_with_and_without_drafts(up, target):
+    """The GGUF numerics are row-invariant: each token's log-probabilities (and the top 5)
+    from a run of the target alone and from the defaults' rounds are the same bits, on 16
+    unseen chat prompts, free and under a JSON schema (the OpenAI client's too)."""
+    import json
+    _, tokenizer = target
+    questions = (Path(__file__).parents[2] / "deploy" / "unseen_prompts.txt").read_text().splitlines()[:16]
+    schema = json.dumps({"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
+                         "required": ["answer"], "additionalProperties": False})
+
+    def entries(stub, question, **fields):
+        chunks, result = generate(stub, chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
+                                  max_new_tokens=MAX_NEW, logprobs=True, top_logprobs=5, **fields)
+        out = [(e.token_id, e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs)) for c in chunks
+               for e in c.logprobs]
+        assert [e[0] for e in out] == list(result.token_ids)
+        return out, result.stats
+
+    drafted = 0
+    with grpc.insecure_channel(up) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        for i, question in enumerate(questions):
+            fields = {"constraint": {"json_schema": schema}} if i % 2 else {}
+            defaults, stats = entries(stub, question, **fields)
+            alone, _ = entries(stub, question, num_speculative_tokens=0, **fields)
+            fixed, fixed_stats = entries(stub, question, num_speculative_tokens=3, **fields)
+            assert defaults == alone == fixed, question
+            drafted += stats.draft_tokens + fixed_stats.draft_tokens
+    assert drafted > 0
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="none", max_retries=0)
+    (served,) = client.models.list().data
+    out = client.chat.completions.create(model=served.id, messages=[{"role": "user", "content": questions[0]}],
+                                         max_tokens=MAX_NEW, temperature=0, logprobs=True, top_logprobs=5)
+    with grpc.insecure_channel(up) as channel:
+        want, _ = entries(orchestrator_pb2_grpc.OrchestratorServiceStub(channel), questions[0])
+    content = out.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [w[1] for w in want]
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == [list(w[3]) for w in want]
+    assert [c.token for c in content] == [tokenizer.decode([w[0]]) for w in want]
+    client.close()

@@ -58,8 +58,8 @@ def test_feature_drafts_are_exact_and_accepted(deployment, cases):
         # The features of every committed position but the last came once from the verifier
         # (3 layers x 576 x 2 bytes each), and went on to the drafter once.
         per_position = 3 * 576 * 2
-        assert result.stats.feature_bytes_received == per_position * (len(ids) + len(want) - 1) or \
-            result.stats.feature_bytes_received >= per_position * (len(want) - 1)
+        assert len(ids) < 256  # the whole prompt fits the head's window: its features come with the first call
+        assert result.stats.feature_bytes_received == per_position * (len(ids) + len(want) - 1)
         assert result.stats.feature_bytes_sent <= result.stats.feature_bytes_received
     # Every draft is the head's (the drafters run it alone, no lookup): on held-out chat it
     # agrees with the target's first token 0.43 of the time (its model card); a head that
@@ -88,7 +88,7 @@ def test_a_killed_drafter_fails_over_and_the_output_is_unchanged(deployment, cas
     deployment.kill(roles["heads"][0])  # on a tie the pool pairs the request with the first replica
     result = stream.finish()
     assert list(result.token_ids) == want
-    assert result.stats.drafter_failovers <= 1
+    assert result.stats.drafter_failovers == 1  # it was on the killed replica, and moved once
 
 
 def features(rows: int, width: int, start: int = 0) -> common_pb2.Features:

@@ -155,3 +155,29 @@ def test_every_openai_field_is_honoured_or_refused(api):
         with pytest.raises(openai.BadRequestError) as err:
             create(model=MODEL, max_tokens=2, extra_body={"guided_regex": "a+"}, **base)
         assert err.value.body["param"] == "guided_regex"
+
+
+def test_logprobs_in_openais_shapes_streamed_or_not(api):
+    cluster, o, client, _ = api
+    messages = [{"role": "user", "content": "Count to five."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    result = grpc_generate(cluster, o, chat=pb.Chat(messages=[pb.ChatMessage(**messages[0])]), max_new_tokens=12,
+                           logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == len(result.token_ids)
+    assert all(len(c.top_logprobs) == 3 and c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy
+    streamed = [c for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                               temperature=0, logprobs=True, top_logprobs=3,
+                                                               stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    # The same tokens; values to 1e-5 (the tiny target's float32 is not row-invariant, and this
+    # request found its prompt in the prefix cache: its first token came from a smaller pass).
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(streamed, content))
+    plain = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=8, temperature=0, logprobs=2)
+    lp = plain.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == plain.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
+    without = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert without.choices[0].logprobs is None
