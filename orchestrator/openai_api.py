@@ -8,6 +8,7 @@ may carry `top_k` and `specdec: {"num_speculative_tokens": K}`; every response c
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 
@@ -15,6 +16,7 @@ import grpc
 from aiohttp import web
 
 from specdec import security
+from specdec.grammar import JSON_OPTIONS as JSON_SHAPE
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger("orchestrator.http")
@@ -37,11 +39,12 @@ FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.F
 # prompt_cache_key are labels and hints, which change no output).
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "user", "n", "response_format", "top_k", "specdec",
-            "safety_identifier", "prompt_cache_key", "parallel_tool_calls", "logprobs", "top_logprobs"}
+            "safety_identifier", "prompt_cache_key", "parallel_tool_calls", "logprobs", "top_logprobs", "tools",
+            "tool_choice"}
 # Refused unless they ask for what the server does anyway (the values listed; absent or
 # null always passes).
 AS_DEFAULT = {"best_of": (1,), "echo": (False,), "suffix": ("",),
-              "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+              "functions": ([],), "function_call": ("none", "auto"),
               "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "metadata": ({},),
               "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
               "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
@@ -219,14 +222,15 @@ class OpenAIFront:
                               f"messages[{i}]")
             role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for it
             generate.chat.messages.add(role=role, content=content)
-        return await self._respond(request, body, generate, chat=True)
+        tools = _tools(body, generate)
+        return await self._respond(request, body, generate, chat=True, tools=tools)
 
     async def _respond(self, request: web.Request, body: dict, generate: pb.GenerateRequest,
-                       chat: bool) -> web.StreamResponse:
+                       chat: bool, tools: set[str] | None = None) -> web.StreamResponse:
         stream = bool(_field(body, "stream", bool, False))
         usage_in_stream = bool((_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
         async with contextlib.aclosing(self.servicer.generate(generate, _Context())) as events:
-            return await self._answer(request, events, chat, stream, usage_in_stream, generate.logprobs)
+            return await self._answer(request, events, chat, stream, usage_in_stream, generate.logprobs, tools)
 
     def _logprobs(self, entries, chat: bool) -> dict:
         """OpenAI's logprobs object: chat's `content` list, or completions' four lists."""
@@ -249,7 +253,8 @@ class OpenAIFront:
                 "text_offset": offsets}
 
     async def _answer(self, request: web.Request, events, chat: bool, stream: bool,
-                      usage_in_stream: bool, asked: bool = False) -> web.StreamResponse:
+                      usage_in_stream: bool, asked: bool = False, tools: set[str] | None = None
+                      ) -> web.StreamResponse:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -262,7 +267,11 @@ class OpenAIFront:
                 else:
                     result = event.result
             choice = {"index": 0, "finish_reason": FINISH.get(result.finish_reason, "stop")}
-            if chat:
+            calls = _calls("".join(text), tools, result)
+            if calls:
+                choice.update(message={"role": "assistant", "content": None, "tool_calls": calls},
+                              finish_reason="tool_calls", logprobs=self._logprobs(logprobs, chat) if asked else None)
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": "".join(text)}
                 choice["logprobs"] = self._logprobs(logprobs, chat) if asked else None
             else:
@@ -291,15 +300,27 @@ class OpenAIFront:
 
         if chat:
             await send({"role": "assistant", "content": ""})
-        event = first
+        event, held, held_logprobs = first, [], []  # with tools, the answer is held: a call or text
         try:
             while True:
-                if event.HasField("chunk"):
+                if event.HasField("chunk") and tools:
+                    held.append(event.chunk.text)
+                    held_logprobs.extend(event.chunk.logprobs)
+                elif event.HasField("chunk"):
                     if event.chunk.text or (asked and event.chunk.logprobs):
                         await send({"content": event.chunk.text}, logprobs=event.chunk.logprobs)
                 else:
                     result = event.result
-                    await send({}, FINISH.get(result.finish_reason, "stop"), {"specdec": _stats(result)})
+                    finish = FINISH.get(result.finish_reason, "stop")
+                    if tools:
+                        calls = _calls("".join(held), tools, result)
+                        if calls:
+                            finish = "tool_calls"
+                            await send({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
+                                       logprobs=held_logprobs)
+                        else:
+                            await send({"content": "".join(held)}, logprobs=held_logprobs)
+                    await send({}, finish, {"specdec": _stats(result)})
                     if usage_in_stream:
                         await response.write(("data: " + json.dumps({
                             "id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [],
@@ -314,6 +335,72 @@ class OpenAIFront:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _tools(body: dict, generate: pb.GenerateRequest) -> set[str] | None:
+    """OpenAI's tools and tool_choice: the tools described to the model in a system message
+    first, and its answer constrained to a call of one of them ({"name", "arguments"} under
+    its parameters' schema) where tool_choice is "required" or names one, to a call or
+    text not starting with "{" where it is "auto" (the default). -> the callable names, or
+    None where no tool may be called."""
+    tools = _field(body, "tools", list)
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tool_choice: names a tool, but tools is empty",
+                          "tool_choice")
+        return None
+    if generate.constraint.WhichOneof("kind"):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tools: not with response_format", "tools")
+    specs = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        parameters = function.get("parameters", {"type": "object", "properties": {}}) if function else None
+        if not isinstance(name, str) or not TOOL_NAME.match(name) or not isinstance(parameters, dict):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"tools[{i}]: a function with a name (letters, digits, "
+                                                            f"_ or -, at most 64) and parameters (a JSON schema)",
+                          f"tools[{i}]")
+        specs[name] = function
+    if choice == "none":
+        return None
+    if isinstance(choice, dict):
+        named = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if named not in specs:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tool_choice: must name one of the tools", "tool_choice")
+        specs = {named: specs[named]}
+    elif choice not in (None, "auto", "required"):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, 'tool_choice: "none", "auto", "required" or a function',
+                      "tool_choice")
+    described = "\n".join(json.dumps({"name": n, "description": f.get("description", ""),
+                                      "parameters": f.get("parameters", {})}) for n, f in specs.items())
+    given = [pb.ChatMessage(role=m.role, content=m.content) for m in generate.chat.messages]
+    del generate.chat.messages[:]
+    generate.chat.messages.add(role="system", content="You can call these functions. To call one, reply with only "
+                                                      'a JSON object {"name": ..., "arguments": {...}}.\n' + described)
+    generate.chat.messages.extend(given)
+    calls = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                        "properties": {"name": {"const": n}, "arguments": f.get("parameters",
+                                                                               {"type": "object"})}}
+                       for n, f in specs.items()]}
+    if choice in (None, "auto"):
+        calls["x-guidance"] = JSON_SHAPE
+        generate.constraint.lark = f"start: call | text\ncall: %json {json.dumps(calls)}\ntext: /[^{{][\\s\\S]*/\n"
+    else:
+        generate.constraint.json_schema = json.dumps(calls)
+    return set(specs)
+
+
+def _calls(text: str, tools: set[str] | None, result: pb.Result) -> list[dict]:
+    """The tool call in a finished answer, in OpenAI's shape; [] for a text answer."""
+    if not tools or result.finish_reason == pb.FINISH_REASON_LENGTH or not text.startswith("{"):
+        return []
+    call = json.loads(text)  # the constraint made it a call of one of the tools
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
 
 
 def _same(value, default) -> bool:

@@ -181,3 +181,51 @@ def test_logprobs_in_openais_shapes_streamed_or_not(api):
     assert "".join(lp.tokens) == plain.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
     without = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     assert without.choices[0].logprobs is None
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def test_tools_come_back_as_tool_calls(api):
+    import json
+    _, _, client, _ = api
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                         tools=[WEATHER, CLOCK], tool_choice="required")
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name in ("get_weather", "get_time")
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert arguments["zone"] in ("UTC", "CET")
+    named = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                           tools=[WEATHER, CLOCK],
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                                   tools=[WEATHER, CLOCK], tool_choice="required", stream=True))
+    deltas = [c.choices[0].delta.tool_calls for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0][0].function.name == call.function.name
+    assert json.loads(deltas[0][0].function.arguments) == arguments
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "tool_calls"
+    auto = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                          tools=[WEATHER])
+    message = auto.choices[0].message
+    assert (message.tool_calls is not None) != (message.content is not None)  # a call or text, never both
+    for bad, param in (({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0]"),
+                       ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                        "tool_choice"),
+                       ({"tool_choice": "required"}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **bad)
+        assert err.value.body["param"] == param
