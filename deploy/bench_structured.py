@@ -112,12 +112,16 @@ def through_specdec(args, workload: list[dict]) -> tuple[list[dict], list[list[i
                 prompt_ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
                 print(f"{i} {item['task']}: {row['tokens']} tokens, {'valid' if row['valid'] else 'INVALID'}, "
                       f"{'same' if row['same'] else 'DIFFERENT'}; after the first token "
-                      f"{row['speedup']:.2f}x, whole request {row['time_speedup']:.2f}x; "
+                      f"{_x(row['speedup'])}, whole request {_x(row['time_speedup'])}; "
                       f"{d['accepted']}/{d['drafted']} drafts accepted in {d['rounds']} rounds; "
-                      f"constraint at K = 0 {row['constraint_cost']:.3f}x a free token", flush=True)
+                      f"constraint at K = 0 {_x(row['constraint_cost'], 3)} a free token", flush=True)
             return rows, prompt_ids
     finally:
         launch.stop(services)
+
+
+def _x(ratio: float | None, digits: int = 2) -> str:
+    return "n/a" if ratio is None else f"{ratio:.{digits}f}x"
 
 
 def _rate(run: dict) -> float:
@@ -157,13 +161,15 @@ def summary(rows: list[dict], llama: list[dict] | None) -> dict:
         d_n = sum(r["runs"]["defaults"]["after_tokens"] for r in part_rows)
         k_n = sum(r["runs"]["k0"]["after_tokens"] for r in part_rows)
         free = [r["runs"]["k0-free"] for r in part_rows]
+        speedups = [r["speedup"] for r in part_rows if r["speedup"] is not None]  # one-token outputs have none
         out = {"requests": len(part_rows), "tokens": sum(r["tokens"] for r in part_rows),
                "speedup": (d_n / d_s) / (k_n / k_s) if d_s and k_s else None,
-               "median_speedup": statistics.median(r["speedup"] for r in part_rows),
-               "worst_speedup": min(r["speedup"] for r in part_rows),
+               "median_speedup": statistics.median(speedups) if speedups else None,
+               "worst_speedup": min(speedups) if speedups else None,
                "time_speedup": sum(r["runs"]["k0"]["seconds"] for r in part_rows)
                / sum(r["runs"]["defaults"]["seconds"] for r in part_rows),
-               "constraint_cost": (k_s / k_n) / (sum(f["after_s"] for f in free) / sum(f["after_tokens"] for f in free)),
+               "constraint_cost": (k_s / k_n) / (sum(f["after_s"] for f in free) / sum(f["after_tokens"] for f in free))
+               if k_n and sum(f["after_tokens"] for f in free) else None,
                "acceptance": sum(r["runs"]["defaults"]["accepted"] for r in part_rows)
                / max(1, sum(r["runs"]["defaults"]["drafted"] for r in part_rows)),
                "valid": sum(r["valid"] for r in part_rows), "same": sum(r["same"] for r in part_rows),
@@ -194,9 +200,9 @@ def markdown(s: dict, meta: dict) -> str:
              + (" llama.cpp total s (valid) | ours K = 0 / defaults total s |" if meta["llama_cpp"] else ""),
              "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if meta["llama_cpp"] else "")]
     for task, p in s.items():
-        line = (f"| {task} | {p['requests']} | {p['tokens']} | {p['speedup']:.2f}x | {p['median_speedup']:.2f}x | "
-                f"{p['worst_speedup']:.2f}x | {p['time_speedup']:.2f}x | {p['acceptance']:.2f} | "
-                f"{p['k0_ms_per_token']:.1f} | {p['constraint_cost']:.3f}x | {p['valid']}/{p['requests']} | "
+        line = (f"| {task} | {p['requests']} | {p['tokens']} | {_x(p['speedup'])} | {_x(p['median_speedup'])} | "
+                f"{_x(p['worst_speedup'])} | {_x(p['time_speedup'])} | {p['acceptance']:.2f} | "
+                f"{p['k0_ms_per_token'] or 0:.1f} | {_x(p['constraint_cost'], 3)} | {p['valid']}/{p['requests']} | "
                 f"{p['same']}/{p['requests']} |")
         if meta["llama_cpp"]:
             line += (f" {p['llama_cpp_seconds']:.2f} ({p['llama_cpp_valid']}/{p['requests']}) | "

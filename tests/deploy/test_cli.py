@@ -22,7 +22,8 @@ def test_a_stream_without_its_result_is_reported(monkeypatch, capsys):
     monkeypatch.setattr(orchestrator_pb2_grpc, "OrchestratorServiceStub", Cut)
     args = argparse.Namespace(max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, stop=None, raw=True,
                               prompt="hi", seed=None, k=None, address="127.0.0.1:1", wait=0, timeout=5,
-                              token="", tls_ca="", tls_cert="", tls_key="")
+                              token="", tls_ca="", tls_cert="", tls_key="", json_schema=None, json_object=False,
+                              regex=None, lark=None, gbnf=None)
     assert cli.generate(args) == 1
     out, err = capsys.readouterr()
     assert out.startswith("Half a sen") and "ended without its result" in err
