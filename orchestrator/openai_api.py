@@ -5,9 +5,11 @@ metrics and exactness. Errors come in OpenAI's shape. Beyond OpenAI's fields, a 
 may carry `top_k` and `specdec: {"num_speculative_tokens": K}`; every response carries
 `specdec`: the request's speculation statistics."""
 
+import asyncio
 import contextlib
 import json
 import logging
+import random
 import re
 import time
 import uuid
@@ -135,8 +137,10 @@ class OpenAIFront:
         if model != self.model_name:
             raise Refused(grpc.StatusCode.NOT_FOUND, f"model: {model!r} is not served here; this server serves "
                                                      f"{self.model_name!r} (GET /v1/models)", "model")
-        if _field(body, "n", int, 1) != 1:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "n: only 1 choice per request", "n")
+        n = _field(body, "n", int, 1)
+        if not 1 <= n <= MAX_CHOICES or (n > 1 and body.get("stream")):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"n: in [1, {MAX_CHOICES}]; more than 1 only without "
+                                                            f"stream", "n")
         for name, value in body.items():
             if name in HONOURED:
                 continue
@@ -229,8 +233,57 @@ class OpenAIFront:
                        chat: bool, tools: set[str] | None = None) -> web.StreamResponse:
         stream = bool(_field(body, "stream", bool, False))
         usage_in_stream = bool((_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
+        n = _field(body, "n", int, 1)
+        if n > 1:
+            return await self._choices(generate, n, chat, tools)
         async with contextlib.aclosing(self.servicer.generate(generate, _Context())) as events:
             return await self._answer(request, events, chat, stream, usage_in_stream, generate.logprobs, tools)
+
+    async def _choices(self, generate: pb.GenerateRequest, n: int, chat: bool, tools: set[str] | None
+                       ) -> web.Response:
+        """n independent samples, generated at once: choice i draws with seed + i (a random
+        seed where none is given), so a seed reproduces every choice."""
+        seed = generate.seed if generate.HasField("seed") else random.getrandbits(62)
+
+        async def one(i: int) -> tuple[dict, pb.Result]:
+            request = pb.GenerateRequest()
+            request.CopyFrom(generate)
+            request.seed = seed + i
+            async with contextlib.aclosing(self.servicer.generate(request, _Context())) as events:
+                return await self._choice(events, chat, generate.logprobs, tools, i)
+
+        answers = await asyncio.gather(*(one(i) for i in range(n)))
+        results = [result for _, result in answers]
+        usage = {"prompt_tokens": results[0].usage.prompt_tokens,
+                 "completion_tokens": sum(r.usage.completion_tokens for r in results)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return web.json_response({"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                                  "object": "chat.completion" if chat else "text_completion",
+                                  "created": int(time.time()), "model": self.model_name,
+                                  "choices": [choice for choice, _ in answers], "usage": usage,
+                                  "specdec": [_stats(r) for r in results]})
+
+    async def _choice(self, events, chat: bool, asked: bool, tools: set[str] | None, index: int = 0
+                      ) -> tuple[dict, pb.Result]:
+        """One generation's choice, read whole."""
+        text, result, logprobs = [], None, []
+        async for event in events:
+            if event.HasField("chunk"):
+                text.append(event.chunk.text)
+                logprobs.extend(event.chunk.logprobs)
+            else:
+                result = event.result
+        choice = {"index": index, "finish_reason": FINISH.get(result.finish_reason, "stop")}
+        calls = _calls("".join(text), tools, result)
+        if calls:
+            choice.update(message={"role": "assistant", "content": None, "tool_calls": calls},
+                          finish_reason="tool_calls", logprobs=self._logprobs(logprobs, chat) if asked else None)
+        elif chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+            choice["logprobs"] = self._logprobs(logprobs, chat) if asked else None
+        else:
+            choice.update(text="".join(text), logprobs=self._logprobs(logprobs, chat) if asked else None)
+        return choice, result
 
     def _logprobs(self, entries, chat: bool) -> dict:
         """OpenAI's logprobs object: chat's `content` list, or completions' four lists."""
@@ -259,23 +312,7 @@ class OpenAIFront:
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         if not stream:
-            text, result, logprobs = [], None, []
-            async for event in events:
-                if event.HasField("chunk"):
-                    text.append(event.chunk.text)
-                    logprobs.extend(event.chunk.logprobs)
-                else:
-                    result = event.result
-            choice = {"index": 0, "finish_reason": FINISH.get(result.finish_reason, "stop")}
-            calls = _calls("".join(text), tools, result)
-            if calls:
-                choice.update(message={"role": "assistant", "content": None, "tool_calls": calls},
-                              finish_reason="tool_calls", logprobs=self._logprobs(logprobs, chat) if asked else None)
-            elif chat:
-                choice["message"] = {"role": "assistant", "content": "".join(text)}
-                choice["logprobs"] = self._logprobs(logprobs, chat) if asked else None
-            else:
-                choice.update(text="".join(text), logprobs=self._logprobs(logprobs, chat) if asked else None)
+            choice, result = await self._choice(events, chat, asked, tools)
             return web.json_response({"id": ident, "object": kind, "created": created, "model": self.model_name,
                                       "choices": [choice], "usage": _usage(result), "specdec": _stats(result)})
 
@@ -337,6 +374,7 @@ class OpenAIFront:
         return response
 
 
+MAX_CHOICES = 16
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 

@@ -14,7 +14,6 @@ Where the constraint acts, by role:
 A constraint applies to the tokens from its `start` position on (a request's output)."""
 
 import functools
-import hashlib
 import json
 import logging
 
@@ -129,10 +128,6 @@ class Guide:
         self.end = start
         self._mask: torch.Tensor | None = None  # the mask after `end`, once computed
 
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(self.grammar.encode()).hexdigest()
-
     def sync(self, history: list[int], since: int | None = None) -> bool:
         """Consumes the history's tokens it has not; rolls back those it no longer holds,
         and those from `since` on (where the history may differ from what it consumed).
@@ -153,9 +148,11 @@ class Guide:
         return self.matcher.consume_tokens(new)
 
     def _replay(self, history: list[int]) -> bool:
-        """A fresh matcher over the whole output, where the incremental one refused a token:
-        seen once, under CPU load, on a verifier whose session had been rolled back often
-        (not reproduced in isolation); a fresh matcher takes the same output."""
+        """A fresh matcher over the whole output, where the incremental one refused a token
+        of it: seen on a verifier under full CPU load (three benchmark runs beside a
+        compiler, 2 cores), the refused token a pick of its own; not reproduced without
+        that load nor by randomized advance / masks / rollback sequences. A fresh matcher
+        took the same output."""
         fresh = llguidance.LLMatcher(self.vocab.tokenizer, self.grammar, log_level=0, limits=LIMITS)
         output = history[self.start:]
         if fresh.validate_tokens(output) < len(output) if output else False:

@@ -229,3 +229,23 @@ def test_tools_come_back_as_tool_calls(api):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **bad)
         assert err.value.body["param"] == param
+
+
+def test_n_choices_are_independent_samples_a_seed_reproduces(api):
+    _, _, client, _ = api
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Name an animal."}], max_tokens=12,
+               temperature=1.0, n=4, seed=21)
+    first = client.chat.completions.create(**ask)
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    texts = [c.message.content for c in first.choices]
+    assert len(set(texts)) > 1  # four draws, not one copied
+    assert [c.message.content for c in client.chat.completions.create(**ask).choices] == texts
+    single = client.chat.completions.create(**{**ask, "n": 1, "seed": 22})  # choice 1 drew with seed 21 + 1
+    assert single.choices[0].message.content == texts[1]
+    cluster, o, _, _ = api
+    counts = [grpc_generate(cluster, o, chat=pb.Chat(messages=[pb.ChatMessage(**ask["messages"][0])]),
+                            max_new_tokens=12, temperature=1.0, seed=21 + i).usage.completion_tokens for i in range(4)]
+    assert first.usage.completion_tokens == sum(counts)  # summed over the choices
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**{**ask, "stream": True})
+    assert err.value.body["param"] == "n"
