@@ -170,7 +170,7 @@ class VerifierLink:
             self.left, self.replica = self.replica, None
             self.pool.release(self.left)
 
-    def _constraint(self) -> dict:
+    def _session_fields(self) -> dict:
         """The request fields of the session's constraint (at start = 0 only) and of the
         log-probabilities asked for."""
         fields = {} if self.top_logprobs is None else {"logprobs": True, "top_logprobs": self.top_logprobs}
@@ -191,7 +191,7 @@ class VerifierLink:
                 request = verifier_pb2.VerifyRequest(
                     session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
                     draft_tokens=drafts, draft_probs=qs, sampling=self.params,
-                    features=self.features and self.features.request(len(history)), **self._constraint())
+                    features=self.features and self.features.request(len(history)), **self._session_fields())
                 response = await stub.Verify(request, timeout=self.deadline.timeout(self.timeout_s),
                                              metadata=self.metadata + tracing.headers())
             except grpc.aio.AioRpcError as err:
@@ -224,7 +224,7 @@ class VerifierLink:
                     session_id=self.session_id, start=self.synced, new_tokens=sent[self.synced:],
                     sampling=self.params, max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop),
                     features=self.features and self.features.request(len(sent)), draft_forced=draft_forced,
-                    **self._constraint())
+                    **self._session_fields())
                 call = stub.Decode(request, timeout=self.deadline.timeout(self.timeout_s),
                                    metadata=self.metadata + tracing.headers())
                 async for message in call:

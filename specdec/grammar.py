@@ -35,7 +35,6 @@ LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=10_000_000, max_grammar_si
 # JSON as the models write it (json.dumps' separators) and no free whitespace, where a
 # small model can spend its whole budget on blank lines.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
 
 
 def grammar_text(constraint: common_pb2.Constraint, field: str = "constraint") -> str | None:
