@@ -314,14 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # The benchmarks load torch and the models: their own parsers take the rest of the
     # line, so that the thin commands above start without them.
-    for name, help in (("bench", "target alone vs assisted vs specdec, side by side (--help for its flags)"),
-                       ("bench-load", "many concurrent streams: batched, K fixed or load-aware, against no "
-                                      "batching (--help for its flags)"),
-                       ("bench-repeat", "requests that repeat each other (templates): the defaults against K = 0 "
-                                        "as the deployment sees more of them (--help for its flags)"),
-                       ("bench-structured", "JSON against a schema (extraction, function calls): the defaults "
-                                            "against K = 0 under the same constraint (--help for its flags)")):
-        sub.add_parser(name, help=help, add_help=False)
+    sub.add_parser("bench", help="the benchmarks: specdec bench NAME (compare, load, repeat, structured, prefix, "
+                                 "engine, wire, fidelity); specdec bench --help lists them", add_help=False)
     sub.add_parser("top", help="a live view of a deployment from its metrics endpoints (--help for its flags)",
                    add_help=False)
     return parser
@@ -334,18 +328,6 @@ def main(argv=None) -> None:
         from deploy import bench
 
         bench.main(rest)
-    if args.command == "bench-load":
-        from deploy import bench_load
-
-        bench_load.main(rest)
-    if args.command == "bench-repeat":
-        from deploy import bench_repeat
-
-        bench_repeat.main(rest)
-    if args.command == "bench-structured":
-        from deploy import bench_structured
-
-        bench_structured.main(rest)
     if args.command == "top":
         from deploy import top
 

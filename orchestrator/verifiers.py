@@ -12,7 +12,7 @@ prompt's prefix and by load:
   with the shorter recent pass.
 
 `routing="round-robin"` takes the replicas in turn instead (the baseline the prefix
-rule is measured against: deploy/bench_prefix.py).
+rule is measured against: `specdec bench prefix`, deploy/bench/prefix.py).
 
 A replica that fails or leaves the set costs its requests one resync on another
 replica at their next call: the orchestrator holds every request's history. Each

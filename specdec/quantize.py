@@ -8,7 +8,7 @@ The integer product runs in fbgemm where it is exact (x86: checked once, on the 
 that would overflow a 16-bit pair sum) and in `torch._int_mm` elsewhere. fbgemm's
 kernel grows far less with the rows of a pass: a 5-token verify pass of the default
 target cost 1.19-1.29x a one-token step with it, 1.63-1.67x with `_int_mm`, at the same
-one-token cost (`python -m deploy.bench_engine --quantize int8`).
+one-token cost (`specdec bench engine --quantize int8`).
 
 Per-row activation scales are the point: a row's result does not depend on the other
 rows of the pass, so a verify pass of K+1 tokens among other sessions' rows gives each

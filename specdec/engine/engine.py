@@ -44,7 +44,7 @@ def one_thread_outside_engines() -> None:
     operations only while the process has no more of them than cores; the pool a second
     thread leaves behind (the model loader's, the event loop's) makes each of a pass's
     ~200 parallel operations sleep and wake instead. Measured on 2 cores, int8
-    (`python -m deploy.bench_engine --threads 2`): a step took 31.0 ms beside such a
+    (`specdec bench engine --threads 2`): a step took 31.0 ms beside such a
     pool, 14.7 ms without it."""
     global _one_thread_elsewhere
     _one_thread_elsewhere = True

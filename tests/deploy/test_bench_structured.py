@@ -1,19 +1,19 @@
-"""`specdec bench-structured` as a smoke test on the tiny pair: schema prompts through
+"""`specdec bench structured` as a smoke test on the tiny pair: schema prompts through
 real services with the defaults, at K = 0 under the same schema and at K = 0 free; the
 first two give the same tokens, and the report is written. Not a timing test."""
 
 import json
 
-from deploy import bench_structured
+from deploy.bench import harness, structured
 
 
 def test_bench_structured_runs_each_prompt_three_ways(tiny_pair, tmp_path):
     target, draft, _ = tiny_pair
     out = tmp_path / "out"
-    args = bench_structured.build_parser().parse_args(
+    args = structured.build_parser().parse_args(
         ["--target", str(target), "--draft", str(draft), "--limit", "4", "--max-new-tokens", "16", "--out", str(out)])
-    assert bench_structured.main_with(args) == 0
-    report = json.loads((out / "bench-structured.json").read_text())
+    assert structured.main_with(args) == 0
+    report = json.loads((out / "structured.json").read_text())
     rows = report["rows"]
     assert len(rows) == 4 and {r["task"] for r in rows} == {"extract", "call"}
     for row in rows:
@@ -22,13 +22,13 @@ def test_bench_structured_runs_each_prompt_three_ways(tiny_pair, tmp_path):
         if row["finish"] == "FINISH_REASON_STOP":
             assert row["valid"]
     assert set(report["summary"]) == {"extract", "call", "all"}
-    assert "| all | 4 |" in (out / "bench-structured.md").read_text()
+    assert "| all | 4 |" in (out / "structured.md").read_text()
 
 
 def test_the_workload_is_32_prompts_with_valid_schemas():
     import jsonschema
 
-    rows = bench_structured.read_workload(bench_structured.PROMPTS, None)
+    rows = structured.read_workload(harness.STRUCTURED_PROMPTS, None)
     assert len(rows) == 32 and sum(r["task"] == "call" for r in rows) == 16
     for row in rows:
         jsonschema.Draft202012Validator.check_schema(row["schema"])

@@ -98,7 +98,7 @@ def test_logprobs_are_the_same_bits_with_and_without_drafts(up, target):
     unseen chat prompts, free and under a JSON schema (the OpenAI client's too)."""
     import json
     _, tokenizer = target
-    questions = (Path(__file__).parents[2] / "deploy" / "unseen_prompts.txt").read_text().splitlines()[:16]
+    questions = (Path(__file__).parents[2] / "deploy" / "bench" / "unseen_prompts.txt").read_text().splitlines()[:16]
     schema = json.dumps({"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
                          "required": ["answer"], "additionalProperties": False})
 

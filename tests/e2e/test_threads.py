@@ -24,7 +24,7 @@ from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
 VERIFIER_THREADS = 8
 MAX_NEW = 20
-PROMPTS = Path(launch.__file__).parent / "unseen_prompts.txt"
+PROMPTS = Path(launch.__file__).parent / "bench" / "unseen_prompts.txt"
 
 
 def long_prompts(tokenizer, count: int = 32) -> list[list[int]]:

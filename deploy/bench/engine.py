@@ -1,4 +1,4 @@
-"""The batching engine on its own: `python -m deploy.bench_engine`.
+"""The batching engine on its own: `specdec bench engine`.
 
 1. What a batched pass of the target costs: R rows x n tokens against one row x one
    token, each row with a ~120-token cache (same process, median of 7 passes each); one
@@ -16,16 +16,18 @@
    just after it.
 5. With --stall: a 4000-token prompt arriving while 4 streams run through `specdec up`,
    with chunked prefill (256-token passes) and in one pass: how long the running
-   streams stall."""
+   streams stall.
+Prints each line as it is measured; writes engine.json and engine.md to --out."""
 
 import argparse
 import asyncio
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from deploy import launch
+from deploy.bench import harness
 from specdec import ggml, modeling, quantize
 from specdec.engine import Engine, one_thread_outside_engines
 
@@ -156,76 +158,73 @@ def second_turn(eng: Engine, tokenizer) -> str:
             f"the same prompt cold {cold * 1e3:.0f} ms ({warm / cold:.2f}x)")
 
 
-async def _stream(stub, ids, n, gaps):
-    from specdec.orchestrator.v1 import orchestrator_pb2 as pb
-
-    last = None
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=n, num_speculative_tokens=0)
-    async for message in stub.Generate(request, timeout=900):
-        if message.HasField("chunk"):
-            now = time.perf_counter()
-            if last is not None and gaps is not None:
-                gaps.append((now, now - last))
-            last = now
-
-
 async def _stall(address: str, tokenizer) -> tuple[float, float, float]:
     import grpc
     from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}],
-                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+    chat = harness.chat_ids(tokenizer, "Tell me about the sea.")
     long = (tokenizer("The history of the world is long and full of events. ")["input_ids"] * 400)[:4000]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-        await _stream(stub, chat, 4, None)
-        gaps = []
-        running = [asyncio.ensure_future(_stream(stub, chat, 120, gaps)) for _ in range(4)]
+
+        async def call(ids, n) -> harness.Stream:
+            out = harness.Stream()
+            await harness.stream_async(stub, harness.request(ids, max_new_tokens=n, k=0), out, t0, timeout=900)
+            return out
+
+        t0 = time.perf_counter()
+        await call(chat, 4)
+        running = [asyncio.ensure_future(call(chat, 120)) for _ in range(4)]
         await asyncio.sleep(3)
-        started = time.perf_counter()
-        await _stream(stub, long, 1, None)
-        answered = time.perf_counter()
-        await asyncio.gather(*running)
+        started = time.perf_counter() - t0
+        await call(long, 1)
+        answered = time.perf_counter() - t0
+        streams = await asyncio.gather(*running)
+    gaps = [(b, b - a) for s in streams for a, b in zip(s.arrivals, s.arrivals[1:]) if b > a]
     during = [g for t, g in gaps if started <= t <= answered + 1]
     before = sorted(g for t, g in gaps if t < started)
     return answered - started, max(during, default=float("nan")), before[len(before) // 2]
 
 
-def stall(target: str, draft: str) -> list[str]:
-    tokenizer = modeling.load_tokenizer(target)
+def stall(args) -> list[str]:
+    tokenizer = modeling.load_tokenizer(args.target)
     lines = []
     for label, tokens in (("chunked prefill (--max-batch-tokens 256)", "256"), ("one pass (--max-batch-tokens 8192)",
                                                                                   "8192")):
-        services = launch.plan(target, draft, 1, launch.free_port(), verifier_flags=["--max-batch-tokens", tokens])
-        launch.start(services)
-        try:
-            launch.wait_serving(services, 900)
+        with harness.running(harness.plan(args, verifier_flags=["--max-batch-tokens", tokens])) as (services,):
             prefill, worst, median = asyncio.run(_stall(services[-1].address, tokenizer))
-        finally:
-            launch.stop(services)
         lines.append(f"{label}: the 4000-token prompt answered in {prefill:.1f} s; the running streams' longest gap "
                      f"meanwhile {worst:.2f} s (median gap before it arrived: {median * 1e3:.0f} ms)")
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m deploy.bench_engine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or harness.parser_for("engine", __doc__)
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT, help="for --stall")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
     parser.add_argument("--quantize", default="auto", choices=quantize.METHODS)
     parser.add_argument("--threads", type=int, default=0, help="the pass's threads (0: one per core)")
     parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: its llama-bench beside ours")
     parser.add_argument("--stall", action="store_true", help="also measure a long prefill beside running streams")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path("engine-out"))
+    return parser
+
+
+def main_with(args) -> int:
+    lines = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
     torch.set_grad_enabled(False)
     one_thread_outside_engines()  # as the services do
-    model, _ = modeling.load_model(args.target, device=args.device)
+    model, _ = modeling.load_model(args.target, args.dtype, args.device)
     quantize.quantize(model, args.quantize)
-    print(f"{args.target} on {args.device}, quantize {args.quantize}"
-          + f" -> {quantize.method_of(model)}" + (f" ({quantize.kernel()})" if quantize.is_int8(model) else ""),
-          flush=True)
+    say(f"{args.target} on {args.device}, quantize {args.quantize}"
+        + f" -> {quantize.method_of(model)}" + (f" ({quantize.kernel()})" if quantize.is_int8(model) else ""))
     eng = Engine(model, 1 << 30, max_batch_tokens=1024, threads=args.threads)
     seqs = []
     for i in range(8):
@@ -234,12 +233,12 @@ def main() -> None:
         eng.forward_now(seq, 1)
         seqs.append(seq)
     for line in pass_costs(eng, seqs, [(1, 3), (1, 5), (1, 9), (1, 17), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]):
-        print(line, flush=True)
+        say(line)
     if quantize.method_of(model) == "gguf":
         for line in by_path(eng, seqs):
-            print(line, flush=True)
-    print(invariance(eng, seqs), flush=True)
-    print(second_turn(eng, modeling.load_tokenizer(args.target)), flush=True)
+            say(line)
+    say(invariance(eng, seqs))
+    say(second_turn(eng, modeling.load_tokenizer(args.target)))
     if args.llama_cpp:
         if modeling.gguf_file(args.target) is None:
             raise SystemExit("--llama-cpp needs a GGUF target")
@@ -247,14 +246,14 @@ def main() -> None:
         theirs = llama_cpp_step(args.llama_cpp, modeling.gguf_file(args.target), eng.threads)
         after = steady_step(eng, seqs[0])
         threads = f"{eng.threads} thread" + ("s" if eng.threads > 1 else "")
-        print(f"1-token pass, {threads}, mean of 3 x 64 in a row: ours {before * 1e3:.2f} ms before and "
-              f"{after * 1e3:.2f} after llama.cpp's llama-bench on the same file, {theirs * 1e3:.2f} ms a token: "
-              f"{(before + after) / 2 / theirs:.2f}x", flush=True)
+        say(f"1-token pass, {threads}, mean of 3 x 64 in a row: ours {before * 1e3:.2f} ms before and "
+            f"{after * 1e3:.2f} after llama.cpp's llama-bench on the same file, {theirs * 1e3:.2f} ms a token: "
+            f"{(before + after) / 2 / theirs:.2f}x")
     eng.stop()
     if args.stall:
-        for line in stall(args.target, args.draft):
-            print(line, flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        for line in stall(args):
+            say(line)
+    harness.write_report(args.out, "engine", {"meta": {"target": args.target, "quantize": args.quantize,
+                                                       "threads": eng.threads}, "lines": lines},
+                         "".join(f"- {line}\n" for line in lines), echo=False)
+    return 0

@@ -1,4 +1,4 @@
-"""What one round costs on the wire: `python -m deploy.bench_wire`.
+"""What one round costs on the wire: `specdec bench wire`.
 
 A server process answers the round's two calls with canned replies (no model), so what
 is timed is gRPC, protobuf and the event loops on both sides, over loopback:
@@ -8,21 +8,24 @@ is timed is gRPC, protobuf and the event loops on both sides, over loopback:
            (one request and its replies per round on each)
 
 for greedy rounds (token ids only) and sampled ones (each draft with a sparse q of
---support entries). Prints milliseconds per round (median and p90) for each."""
+--support entries). Prints milliseconds per round (median and p90) for each; writes
+wire.json and wire.md to --out."""
 
 import argparse
 import asyncio
 import multiprocessing
 import statistics
 import time
+from pathlib import Path
 
 import grpc
 
+from deploy.bench import harness
+from deploy.launch import HOST
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec.verifier.v1 import verifier_pb2
 
-HOST = "127.0.0.1"
 SERVICE = "specdec.bench.Wire"
 
 
@@ -141,22 +144,26 @@ def measure(k: int, support: int, rounds: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m deploy.bench_wire", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or harness.parser_for("wire", __doc__)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--support", type=int, default=64, help="entries of each sparse q when sampling")
     parser.add_argument("--rounds", type=int, default=500)
-    args = parser.parse_args(argv)
-    print(f"K={args.k}, {args.rounds} rounds each, interleaved; ms per round (median / p90)")
-    print("| rounds | calls (today) | streams | streams save |")
-    print("|---|---|---|---|")
+    parser.add_argument("--out", type=Path, default=Path("wire-out"))
+    return parser
+
+
+def main_with(args) -> int:
+    lines = [f"K={args.k}, {args.rounds} rounds each, interleaved; ms per round (median / p90)", "",
+             "| rounds | calls (today) | streams | streams save |", "|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    results = {}
     for label, support in (("greedy", 0), (f"sampled, q of {args.support}", args.support)):
-        r = measure(args.k, support, args.rounds)
+        results[label] = r = measure(args.k, support, args.rounds)
         saved = r["calls"]["median_ms"] - r["streams"]["median_ms"]
-        print(f"| {label} | {r['calls']['median_ms']:.2f} / {r['calls']['p90_ms']:.2f} | "
-              f"{r['streams']['median_ms']:.2f} / {r['streams']['p90_ms']:.2f} | {saved:.2f} ms |", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"| {label} | {r['calls']['median_ms']:.2f} / {r['calls']['p90_ms']:.2f} | "
+                     f"{r['streams']['median_ms']:.2f} / {r['streams']['p90_ms']:.2f} | {saved:.2f} ms |")
+        print(lines[-1], flush=True)
+    harness.write_report(args.out, "wire", {"meta": {"k": args.k, "support": args.support, "rounds": args.rounds},
+                                            "results": results}, "\n".join(lines) + "\n", echo=False)
+    return 0

@@ -1,4 +1,4 @@
-"""Repeated work: `specdec bench-repeat` (or `python -m deploy.bench_repeat`).
+"""Repeated work: `specdec bench repeat`.
 
 Agents, retries and report generators send requests that repeat each other: the same
 template with other values. This replays such a workload through one deployment as
@@ -8,8 +8,8 @@ on the same deployment; sent second, so the defaults never draft from the output
 same request), greedy. Every pair of outputs must be equal. Reports the speedup per
 request, over the first tenth of the requests (before the deployment has seen much) and
 over the rest, and the same run with the memory of earlier outputs off
-(`--lookup-memory-tokens 0`) when --compare-memory-off is given. Writes bench-repeat.json
-and bench-repeat.md to --out.
+(`--lookup-memory-tokens 0`) when --compare-memory-off is given. Writes repeat.json
+and repeat.md to --out.
 
 The speedup is taken after each request's first token: the defaults' tokens per second
 from their first streamed chunk to the end over K = 0's. The K = 0 request, sent second
@@ -24,17 +24,10 @@ prompts x 48 tokens, one run: a median 1.02x, the middle half 0.98-1.13x), to re
 defaults' figures against."""
 
 import argparse
-import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
-import grpc
-
-from deploy import launch
-from specdec import modeling
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from deploy.bench import harness
 
 # {name} {city} {lname}: the values of the fill; one template a line in --templates.
 TEMPLATES = (
@@ -60,59 +53,34 @@ def workload(templates: list[str], requests: int) -> list[str]:
 
 
 def replay(args, prompts: list[str], orchestrator_flags: list[str]) -> list[dict]:
-    numerics = ["--quantize", args.quantize]
-    services = launch.plan(args.target, args.draft, 1, launch.free_port(), args.dtype, args.device,
-                           verifier_flags=numerics, drafter_flags=numerics)
-    services[-1].argv += orchestrator_flags
-    launch.start(services, log=None if args.verbose else open(args.out / "services.log", "a"))
-    try:
-        launch.wait_serving(services, 600)
-        with grpc.insecure_channel(services[-1].address) as channel:
-            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+    with harness.running(harness.plan(args, orchestrator_flags=orchestrator_flags), log_dir=harness.log_dir(args)
+                         ) as (services,), harness.orchestrator(services) as stub:
 
-            def generate(text: str, k: int | None, max_new_tokens: int | None = None
-                         ) -> tuple[float, float, list[int], pb.SpeculationStats]:
-                """-> (seconds in all, tokens per second after the first chunk, the output, its stats)"""
-                request = pb.GenerateRequest(max_new_tokens=max_new_tokens or args.max_new_tokens)
-                if args.raw:
-                    request.text = text
-                else:
-                    request.chat.messages.append(pb.ChatMessage(role="user", content=text))
-                if k is not None:
-                    request.num_speculative_tokens = k
-                started, first = time.perf_counter(), None
-                for event in stub.Generate(request):
-                    if event.HasField("chunk") and event.chunk.token_ids and first is None:
-                        first = (time.perf_counter(), len(event.chunk.token_ids))
-                    if event.HasField("result"):
-                        result = event.result
-                ended = time.perf_counter()
-                after = len(result.token_ids) - first[1] if first else 0
-                rate = after / (ended - first[0]) if after else len(result.token_ids) / (ended - started)
-                return ended - started, rate, list(result.token_ids), result.stats
+        def generate(text: str, k: int | None, max_new_tokens: int | None = None) -> harness.Stream:
+            return harness.stream(stub, harness.request(
+                text=text if args.raw else None, chat=None if args.raw else text,
+                max_new_tokens=max_new_tokens or args.max_new_tokens, k=k))
 
-            generate("Say hello.", 0)  # the first request's set-up out of the figures
-            rows = []
-            for i, text in enumerate(prompts):
-                default_s, default_rate, default_out, stats = generate(text, 0 if args.control else None)
-                # K = 0's prompt is cached (the defaults' request just ran it): a prompt of the
-                # same words in reverse order first, so its steps too start right after a
-                # prefill of about that size, as a new request's do (the first passes after a
-                # prefill run slower: on 2 cores 10-12 ms, then about 7, against 5.3 in steady
-                # decode, some 15 ms in all over the next ten).
-                generate(" ".join(reversed(text.split())), 0, 1)
-                plain_s, plain_rate, plain_out, _ = generate(text, 0)
-                rows.append({"request": i, "tokens": len(plain_out), "default_s": default_s, "k0_s": plain_s,
-                             "speedup": default_rate / plain_rate, "same": default_out == plain_out,
-                             "rounds": stats.rounds, "drafted": stats.draft_tokens,
-                             "accepted": stats.accepted_tokens})
-                print(f"{i}: {len(plain_out)} tokens, K = 0 {plain_s * 1e3:.0f} ms, defaults "
-                      f"{default_s * 1e3:.0f} ms; after the first token {default_rate / plain_rate:.2f}x; "
-                      f"{stats.rounds} rounds, "
-                      f"{stats.accepted_tokens}/{stats.draft_tokens} drafts accepted", flush=True)
-            return rows
-    finally:
-        launch.stop(services)
+        generate("Say hello.", 0)  # the first request's set-up out of the figures
+        rows = []
+        for i, text in enumerate(prompts):
+            default = generate(text, 0 if args.control else None)
+            # K = 0's prompt is cached (the defaults' request just ran it): a prompt of the
+            # same words in reverse order first, so its steps too start right after a
+            # prefill of about that size, as a new request's do (the first passes after a
+            # prefill run slower: on 2 cores 10-12 ms, then about 7, against 5.3 in steady
+            # decode, some 15 ms in all over the next ten).
+            generate(" ".join(reversed(text.split())), 0, 1)
+            plain = generate(text, 0)
+            stats = default.stats
+            speedup = default.rate_after_first() / plain.rate_after_first()
+            rows.append({"request": i, "tokens": len(plain.tokens), "default_s": default.seconds,
+                         "k0_s": plain.seconds, "speedup": speedup, "same": default.tokens == plain.tokens,
+                         "rounds": stats.rounds, "drafted": stats.draft_tokens, "accepted": stats.accepted_tokens})
+            print(f"{i}: {len(plain.tokens)} tokens, K = 0 {plain.seconds * 1e3:.0f} ms, defaults "
+                  f"{default.seconds * 1e3:.0f} ms; after the first token {speedup:.2f}x; {stats.rounds} rounds, "
+                  f"{stats.accepted_tokens}/{stats.draft_tokens} drafts accepted", flush=True)
+        return rows
 
 
 def summary(rows: list[dict]) -> dict:
@@ -144,10 +112,7 @@ def markdown(runs: dict[str, dict], meta: dict) -> str:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="specdec bench-repeat", description=__doc__,
-                                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
-    parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
+    parser = harness.model_flags(parser or harness.parser_for("repeat", __doc__), "repeat-out")
     parser.add_argument("--templates", type=Path,
                         help="one template a line, with {name}, {city}, {lname}; \\n in a line is a line break")
     parser.add_argument("--requests", type=int, default=40)
@@ -157,11 +122,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="replay again with the orchestrator's memory of outputs off")
     parser.add_argument("--control", action="store_true",
                         help="the first of each pair at K = 0 too: what the order alone does to the ratio")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
-    parser.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int8", "none"])
-    parser.add_argument("--verbose", action="store_true", help="the services' logs on this terminal")
-    parser.add_argument("--out", type=Path, default=Path("bench-repeat-out"))
     return parser
 
 
@@ -170,7 +130,6 @@ def main_with(args) -> int:
         line.replace("\\n", "\n") for line in args.templates.read_text().splitlines() if line.strip()]
     if not templates or args.requests < 1:
         raise SystemExit("--templates: none given, or --requests < 1")
-    args.out.mkdir(parents=True, exist_ok=True)
     prompts = workload(templates, args.requests)
     runs = {"on": {"rows": replay(args, prompts, [])}}
     if args.compare_memory_off:
@@ -179,19 +138,7 @@ def main_with(args) -> int:
         run["summary"] = summary(run["rows"])
     meta = {"target": args.target, "draft": args.draft, "requests": args.requests, "templates": len(templates),
             "control": args.control,
-            "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
-    (args.out / "bench-repeat.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
-    (args.out / "bench-repeat.md").write_text(markdown(runs, meta))
-    print((args.out / "bench-repeat.md").read_text())
-    if any(run["summary"]["same"] != run["summary"]["checked"] for run in runs.values()):
-        print("some outputs differ between the defaults and K = 0", file=sys.stderr)
-        return 1
-    return 0
-
-
-def main(argv=None) -> None:
-    raise SystemExit(main_with(build_parser().parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()
+            "max_new_tokens": args.max_new_tokens}
+    harness.write_report(args.out, "repeat", {"meta": meta, "runs": runs}, markdown(runs, meta))
+    return harness.failed_if(any(run["summary"]["same"] != run["summary"]["checked"] for run in runs.values()),
+                             "some outputs differ between the defaults and K = 0")

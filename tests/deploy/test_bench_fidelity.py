@@ -1,9 +1,9 @@
-"""deploy.fidelity's simulated activation rounding."""
+"""`specdec bench fidelity`'s simulated activation rounding."""
 
 import pytest
 import torch
 
-from deploy.fidelity import round_activations
+from deploy.bench.fidelity import round_activations
 
 
 def test_a_linear_layer_sees_its_input_rounded_per_block():

@@ -1,10 +1,10 @@
-"""`specdec bench` as a smoke test on the tiny pair: every variant runs (the gRPC ones
+"""`specdec bench compare` as a smoke test on the tiny pair: every variant runs (the gRPC ones
 through real services), all outputs are written, and every variant's tokens agree with
 the target alone. Not a timing test: the figures are only checked for sanity."""
 
 import json
 
-from deploy import bench
+from deploy.bench import compare, harness
 
 
 def test_bench_runs_every_variant_and_they_agree(tiny_pair, tmp_path):
@@ -12,14 +12,14 @@ def test_bench_runs_every_variant_and_they_agree(tiny_pair, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# two categories\n[chat]\nWrite a haiku about the sea.\n[text raw]\nThe sea is\n")
     out = tmp_path / "out"
-    args = bench.build_parser().parse_args(
+    args = compare.build_parser().parse_args(
         ["--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
          "--max-new-tokens", "12", "-k", "3", "--quantize", "none,int8", "--out", str(out)])
-    assert bench.main_with(args) == 0
+    assert compare.main_with(args) == 0
 
-    report = json.loads((out / "bench.json").read_text())
+    report = json.loads((out / "compare.json").read_text())
     variants = report["summary"]["variants"]
-    assert set(variants) == set(bench.VARIANTS) | {f"{v}-int8" for v in bench.VARIANTS}
+    assert set(variants) == set(compare.VARIANTS) | {f"{v}-int8" for v in compare.VARIANTS}
     for name, row in variants.items():
         # Each against the target with its own numerics. Transformers' assisted generation
         # is theirs: in int8 it can part from the target (seen in CI), and is only reported.
@@ -41,15 +41,15 @@ def test_bench_runs_every_variant_and_they_agree(tiny_pair, tmp_path):
         row = variants[name]
         assert 0 < row["drafter_s_per_round"] and 0 < row["verifier_s_per_round"]
         assert row["drafter_s_per_round"] + row["verifier_s_per_round"] < row["round_s"]
-    table = (out / "bench.md").read_text()
-    assert all(f"| {name} |" in table for name in bench.VARIANTS)
-    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "compare.md").read_text()
+    assert all(f"| {name} |" in table for name in compare.VARIANTS)
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_prompt_file_categories(tmp_path, smol_tokenizer):
     path = tmp_path / "prompts.txt"
     path.write_text("# a comment\nno category yet\n[code]\nFix this:\\n  x = 1\n[text raw]\nOnce upon\n")
-    prompts = bench.read_prompts(path)
+    prompts = harness.read_prompts(path)
     assert [(p.category, p.text, p.raw) for p in prompts] == [
         ("prompts", "no category yet", False), ("code", "Fix this:\n  x = 1", False), ("text", "Once upon", True)]
     assert prompts[2].encode(smol_tokenizer) == smol_tokenizer("Once upon")["input_ids"]

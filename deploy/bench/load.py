@@ -1,4 +1,4 @@
-"""Load benchmark: `specdec bench-load`, many concurrent streams against one deployment.
+"""Load: `specdec bench load`, many concurrent streams against one deployment.
 
 At each concurrency (default 1, 4, 8, 16, 64 streams), in one run, one variant after
 the other, greedy. A cell is a closed loop held for --duration seconds: each stream
@@ -16,7 +16,7 @@ the end of the window the requests still running are cancelled. Variants:
 Every cell sends the same prompts: a later cell finds the answers in the deployment's
 memory of outputs (it drafts them) and the prompts in the verifier's prefix cache, a
 workload of repeated requests. With --unseen (and a prompt file larger than the run
-sends, such as deploy/unseen_prompts.txt: 800 chat questions) each cell starts after the
+sends, such as deploy/bench/unseen_prompts.txt: 800 chat questions) each cell starts after the
 last prompt any earlier cell sent, so no request finds its prompt or answer there; the
 report counts the requests that still repeated a prompt because the set ran out. (Sent the
 same prompts, a later cell ran faster: two cells at K = 0 on one deployment, 8 to 64
@@ -27,72 +27,50 @@ the window), time to first token and inter-token latency (p50, p99), acceptance,
 rows per verifier pass, failed requests by status code (a request the window cut is
 not a failure), and how many outputs (or, for a cut request, its prefix) equal the
 target's own greedy output (transformers `generate`, in this process). Writes
-bench-load.json, bench-load.md and bench-load.png (throughput and p99 inter-token
-latency against concurrency) to --out."""
+load.json, load.md and load.png (throughput and p99 inter-token latency against
+concurrency) to --out."""
 
 import argparse
 import asyncio
 import contextlib
-import os
-import subprocess
-import urllib.request
 import itertools
 import json
 import logging
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from deploy import launch
+from deploy.bench import harness
+from deploy.bench.harness import percentile
 from specdec import modeling
-from deploy.bench import percentile, read_prompts
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
-log = logging.getLogger("bench-load")
+log = logging.getLogger("bench.load")
 
-DEFAULT_PROMPTS = Path(__file__).parent / "bench_prompts.txt"
 VARIANTS = ("target", "fixed", "adaptive", "unbatched")
 
 
 @dataclass
-class Request:
-    """One request of a cell."""
-    prompt: int
+class Request(harness.Stream):
+    """One request of a cell: the stream (times after the cell started) and its place."""
+    prompt: int = 0
     sent: int = 0  # its place in the run's sequence of prompts (past the set's end: a repeat)
-    tokens: list[int] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)  # s after the cell started
-    started: float = 0.0
-    ended: float = 0.0
     error: str = ""
-    complete: bool = False
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    batch_rows: float = 0.0
+    complete: bool = False  # llama.cpp's: its stop event came (ours: a result came)
+
+    @property
+    def ended(self) -> float:
+        return self.started + self.seconds
 
 
 async def one_request(stub, req: Request, ids: list[int], max_new_tokens: int, k: int | None, t0: float) -> None:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=max_new_tokens)
-    if k is not None:
-        request.num_speculative_tokens = k
-    req.started = time.perf_counter() - t0
     try:
-        async for message in stub.Generate(request, timeout=3600):
-            now = time.perf_counter() - t0
-            if message.HasField("chunk"):
-                req.tokens += message.chunk.token_ids
-                req.arrivals += [now] * len(message.chunk.token_ids)
-            else:
-                s = message.result.stats
-                req.rounds, req.draft_tokens, req.accepted_tokens = s.rounds, s.draft_tokens, s.accepted_tokens
-                req.batch_rows = s.mean_batch_rows
-                req.complete = True
+        await harness.stream_async(stub, harness.request(ids, max_new_tokens=max_new_tokens, k=k), req, t0)
+        req.complete = req.result is not None
     except grpc.aio.AioRpcError as err:
         req.error = err.code().name
-    req.ended = time.perf_counter() - t0
 
 
 async def llama_request(session, url: str, req: Request, ids: list[int], max_new_tokens: int, t0: float) -> None:
@@ -116,7 +94,7 @@ async def llama_request(session, url: str, req: Request, ids: list[int], max_new
                             req.complete = req.complete or bool(event.get("stop"))
     except Exception as err:  # a broken stream is a failed request, never the benchmark's end
         req.error = type(err).__name__
-    req.ended = time.perf_counter() - t0
+    req.seconds = time.perf_counter() - t0 - req.started
 
 
 async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tokens: int, k: int | None,
@@ -145,7 +123,7 @@ async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tok
         async def loop(stream: int):
             for n in itertools.count():
                 sent = start + stream + n * streams
-                req = Request(sent % len(prompts), sent)
+                req = Request(prompt=sent % len(prompts), sent=sent)
                 requests.append(req)
                 await send(req, prompts[req.prompt], t0)
                 if req.error:
@@ -167,8 +145,8 @@ def summarize(requests: list[Request], window_s: float, reference: dict[int, lis
     done = [r for r in requests if r.complete]
     seen = [r for r in requests if r.complete or r.error == "CUT"]  # cut ones count up to the cut
     gaps = [b - a for r in seen for a, b in zip(r.arrivals, r.arrivals[1:]) if b > a]
-    drafted = sum(r.draft_tokens for r in done)
-    rounds = sum(r.rounds for r in done)
+    drafted = sum(r.stats.draft_tokens for r in done)
+    rounds = sum(r.stats.rounds for r in done)
     errors: dict[str, int] = {}
     for r in requests:
         if r.error and r.error != "CUT":
@@ -182,9 +160,9 @@ def summarize(requests: list[Request], window_s: float, reference: dict[int, lis
         "ttft_s_p99": percentile([r.arrivals[0] - r.started for r in seen if r.arrivals], 99),
         "itl_s_p50": percentile(gaps, 50), "itl_s_p99": percentile(gaps, 99),
         "latency_s_p99": percentile([r.ended - r.started for r in done], 99),
-        "acceptance": sum(r.accepted_tokens for r in done) / drafted if drafted else None,
+        "acceptance": sum(r.stats.accepted_tokens for r in done) / drafted if drafted else None,
         "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
-        "mean_batch_rows": sum(r.batch_rows * r.rounds for r in done) / rounds if rounds else 0.0,
+        "mean_batch_rows": sum(r.stats.mean_batch_rows * r.stats.rounds for r in done) / rounds if rounds else 0.0,
         "checked": sum(r.prompt in reference for r in seen),
         "same_as_target": sum(r.tokens == reference[r.prompt][:len(r.tokens)] for r in seen if r.prompt in reference),
         "same_as_alone": sum(r.tokens == alone[r.prompt][:len(r.tokens)] for r in seen if r.prompt in alone),
@@ -254,13 +232,6 @@ def chart(cells: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def spread(items: list, n: int | None) -> list:
-    """n of items, evenly spaced (every cell sends its own prompts with --unseen); all for None."""
-    if n is None or n >= len(items):
-        return items
-    return [items[i * len(items) // n] for i in range(n)]
-
-
 def reference_outputs(target: str, dtype: str, device: str, numerics: str, prompts: list[list[int]],
                       which: list[int], max_new_tokens: int):
     """The target's own greedy output (transformers `generate`) per prompt, for the
@@ -282,29 +253,21 @@ def reference_outputs(target: str, dtype: str, device: str, numerics: str, promp
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="specdec bench-load", description=__doc__,
-                                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
-    parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
+    parser = harness.model_flags(parser or harness.parser_for("load", __doc__), "load-out")
     parser.add_argument("--num-drafters", type=int, default=1)
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+    parser.add_argument("--prompts", type=Path, default=harness.PROMPTS,
                         help="a text file, one prompt per line, in categories (see the default file)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,4,8,16,64", help="stream counts, comma-separated")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds each cell's load is held")
     parser.add_argument("-k", type=int, default=2, help="K of the fixed variant")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
-    parser.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int8", "none"],
-                        help="numerics of every model (auto: as specdec up)")
     parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: add the llama.cpp variant")
     parser.add_argument("--reference-limit", type=int, default=None,
                         help="check the outputs of N of the prompts sent, spread over the run, against the target's own "
                              "generate (default: every one; the reference costs the target's whole generation again)")
     parser.add_argument("--unseen", action="store_true",
                         help="no request is sent a prompt sent before in the run (see above)")
-    parser.add_argument("--out", type=Path, default=Path("bench-load-out"))
     return parser
 
 
@@ -318,26 +281,20 @@ def run(args) -> dict:
         variants.append("llama.cpp")
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = modeling.load_tokenizer(args.target)
-    prompts = [prompt.encode(tokenizer) for prompt in read_prompts(args.prompts)]
-    numerics = ["--quantize", args.quantize]
-    deployments = {"batched": launch.plan(args.target, args.draft, args.num_drafters, launch.free_port(), args.dtype,
-                                          args.device, verifier_flags=numerics, drafter_flags=numerics)}
+    prompts = [prompt.encode(tokenizer) for prompt in harness.read_prompts(args.prompts)]
+    deployments = {"batched": harness.plan(args, args.num_drafters)}
     if "unbatched" in variants:
-        off = [*numerics, "--max-batch-rows", "1"]
-        deployments["unbatched"] = launch.plan(args.target, args.draft, args.num_drafters, launch.free_port(),
-                                               args.dtype, args.device, verifier_flags=off, drafter_flags=off)
+        off = ["--max-batch-rows", "1"]
+        deployments["unbatched"] = harness.plan(args, args.num_drafters, verifier_flags=off, drafter_flags=off)
     ks = {"target": 0, "fixed": args.k, "adaptive": None, "unbatched": None, "llama.cpp": None}
-    for services in deployments.values():
-        launch.start(services)
-    llama = llama_server(args.llama_cpp, args.target, max(levels), args.max_new_tokens) if args.llama_cpp else None
     sent: dict[int, dict[str, list[Request]]] = {}
     start = 0  # where a cell's prompts start (--unseen: after every earlier cell's)
-    try:
-        for services in deployments.values():
-            launch.wait_serving(services, 900)
+    with harness.running(*deployments.values(), log_dir=harness.log_dir(args)), (
+            harness.llama_server(args.llama_cpp, args.target, max(levels)) if args.llama_cpp
+            else contextlib.nullcontext()) as llama_url:
         address = {v: deployments["unbatched" if v == "unbatched" else "batched"][-1].address for v in variants}
-        if llama is not None:
-            address["llama.cpp"] = llama[1]
+        if llama_url is not None:
+            address["llama.cpp"] = llama_url
         for v in variants:  # first calls pay one-off costs: keep them out of the figures
             # (with the last prompt, which an --unseen run reaches last, if at all)
             asyncio.run(cell(address[v], prompts[-1:], 1, 4, ks[v], 2.0))
@@ -349,15 +306,9 @@ def run(args) -> dict:
                 log.info("%3d streams %-9s %d requests", streams, v, len(requests))
                 if args.unseen:
                     start = 1 + max(r.sent for r in requests)
-    finally:
-        for services in deployments.values():
-            launch.stop(services)
-        if llama is not None:
-            llama[0].terminate()
-            llama[0].wait()
     used = sorted({r.prompt for by_variant in sent.values() for requests in by_variant.values() for r in requests})
     reference = reference_outputs(args.target, args.dtype, args.device, args.quantize, prompts,
-                                  spread(used, args.reference_limit), args.max_new_tokens)
+                                  harness.spread(used, args.reference_limit), args.max_new_tokens)
     alone = {v: {r.prompt: r.tokens for r in reversed(sent[levels[0]][v]) if r.complete} for v in variants}
     cells = {streams: {v: summarize(requests, args.duration, reference, alone[v]) for v, requests in by_variant.items()}
              for streams, by_variant in sent.items()}
@@ -367,51 +318,17 @@ def run(args) -> dict:
             "repeated": sum(r.sent >= len(prompts) for by_variant in sent.values() for requests in by_variant.values()
                             for r in requests),
             "max_new_tokens": args.max_new_tokens, "device": args.device,
-            "dtype": args.dtype, "quantize": args.quantize, "single_target_tokens_per_s": single, "lowest": levels[0],
-            "command": " ".join(sys.argv)}
-    args.out.mkdir(parents=True, exist_ok=True)
+            "dtype": args.dtype, "quantize": args.quantize, "single_target_tokens_per_s": single, "lowest": levels[0]}
     report = {"meta": meta, "cells": {str(c): v for c, v in cells.items()}}
-    (args.out / "bench-load.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "bench-load.md").write_text(markdown(cells, meta))
-    chart(cells, args.out / "bench-load.png")
+    harness.write_report(args.out, "load", report, markdown(cells, meta))
+    chart(cells, args.out / "load.png")
     return report
-
-
-def llama_server(bin_dir: str, target: str, slots: int, max_new_tokens: int) -> tuple[subprocess.Popen, str]:
-    """llama-server on the target's GGUF file, on loopback, every core: (process, URL)."""
-    gguf = modeling.gguf_file(target)
-    if gguf is None:
-        raise SystemExit("--llama-cpp needs a GGUF target")
-    port = launch.free_port()
-    process = subprocess.Popen([f"{bin_dir}/llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                                "-t", str(os.cpu_count()), "-np", str(slots), "-c", str(slots * 2048)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return process, url
-        except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                raise RuntimeError(f"llama-server did not start ({bin_dir})")
-            time.sleep(0.5)
 
 
 def main_with(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report = run(args)
-    print((args.out / "bench-load.md").read_text())
     rows = [row for by_variant in report["cells"].values() for v, row in by_variant.items() if v != "llama.cpp"]
-    if any(row["same_as_target"] != row["checked"] for row in rows):
-        print("some outputs differ from the target alone", file=sys.stderr)
-        return 1
-    return 1 if sum(row["failed"] for row in rows) else 0
-
-
-def main(argv=None) -> None:
-    raise SystemExit(main_with(build_parser().parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()
+    return (harness.failed_if(any(row["same_as_target"] != row["checked"] for row in rows),
+                              "some outputs differ from the target alone")
+            or harness.failed_if(sum(row["failed"] for row in rows) > 0, "some requests failed"))

@@ -1,4 +1,4 @@
-"""Side-by-side benchmark: `specdec bench` (or `python -m deploy.bench`).
+"""Side by side: `specdec bench compare`.
 
 On one prompt set, in one run, interleaved per prompt:
   target       the target alone (transformers `generate`, greedy)
@@ -28,14 +28,11 @@ per draft position, mean accepted length, network time per round (gRPC round tim
 the in-process round time), and the Leviathan bound E / (K c + v) from the measured
 acceptance, the draft cost c and the verify cost v (a K+1-token target pass over one
 target step), with the fraction of it reached. Every variant's tokens are checked
-against the target alone. Writes bench.json, bench.md and bench.png to --out.
-
-The benchmark is a harness over all three parts, so it imports their modules; the
-services themselves still meet only through the protos."""
+against the target alone. Writes compare.json, compare.md and compare.png to --out."""
 
 import argparse
 import asyncio
-import json
+import contextlib
 import logging
 import statistics
 import sys
@@ -43,54 +40,21 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import grpc
 import torch
 
 from deploy import launch
+from deploy.bench import harness
 from specdec import modeling, quantize
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from specdec.verifier.v1 import verifier_pb2
 
-log = logging.getLogger("bench")
+log = logging.getLogger("bench.compare")
 
-DEFAULT_PROMPTS = Path(__file__).parent / "bench_prompts.txt"
 IN_PROCESS_KV_BYTES = 256 << 20
 VARIANTS = ("target", "assisted", "inprocess", "grpc", "adaptive", "overlap", "ngram", "hybrid")
 PER_ROUND = ("adaptive", "hybrid")  # the variants whose K the orchestrator chooses
 ROUND_VARIANTS = ("inprocess", "grpc", "overlap")  # the model draft at the fixed K: step costs explain them
-
-
-@dataclass
-class Prompt:
-    category: str
-    text: str
-    raw: bool = False  # sent as plain text, not through the chat template
-
-    def encode(self, tokenizer) -> list[int]:
-        if self.raw:
-            return tokenizer(self.text)["input_ids"]
-        return tokenizer.apply_chat_template([{"role": "user", "content": self.text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)
-
-
-def read_prompts(path: Path) -> list[Prompt]:
-    """One prompt a line ("\\n" in it is a newline); a line "[name]" starts a category,
-    "[name raw]" one of plain-text prompts; "#" starts a comment line."""
-    prompts, category, raw = [], "prompts", False
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            category, *options = line[1:-1].split()
-            raw = "raw" in options
-            continue
-        prompts.append(Prompt(category, line.replace("\\n", "\n"), raw))
-    if not prompts:
-        raise SystemExit(f"--prompts: no prompts in {path}")
-    return prompts
 
 
 @dataclass
@@ -218,22 +182,11 @@ def run_inprocess(index: int, target: Engine, proposer, ids: list[int], max_new_
 
 
 def run_grpc(variant: str, index: int, stub, ids: list[int], max_new_tokens: int, k: int | None) -> Run:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=max_new_tokens)
-    if k is not None:  # None: the orchestrator chooses K per round
-        request.num_speculative_tokens = k
-    tokens, arrivals, result = [], [], None
-    started = time.perf_counter()
-    for message in stub.Generate(request, timeout=1200):
-        if message.HasField("chunk"):
-            tokens.extend(message.chunk.token_ids)
-            arrivals.extend([time.perf_counter() - started] * len(message.chunk.token_ids))
-        else:
-            result = message.result
-    wall = time.perf_counter() - started
-    stats = result.stats
-    return Run(variant, index, tokens, wall, arrivals, stats.rounds, stats.draft_tokens, stats.accepted_tokens,
-               list(stats.accepted_per_position), stats.lookaheads, stats.lookahead_hits, stats.draft_seconds,
-               stats.verify_seconds)
+    call = harness.stream(stub, harness.request(ids, max_new_tokens=max_new_tokens, k=k))
+    stats = call.stats
+    return Run(variant, index, call.tokens, call.seconds, call.arrivals, stats.rounds, stats.draft_tokens,
+               stats.accepted_tokens, list(stats.accepted_per_position), stats.lookaheads, stats.lookahead_hits,
+               stats.draft_seconds, stats.verify_seconds)
 
 
 def step_costs(target: Engine, draft: Engine, ids: list[int], k: int, repeats: int = 15) -> dict:
@@ -275,13 +228,6 @@ def bound(alpha: float, k: int, c: float, v: float) -> float:
     return expected / (k * c + v)
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
 def summarize(runs: list[Run], k: int, costs: dict[str, dict]) -> dict:
     """Per label (a variant under some numerics): rates, latencies, acceptance, and the
     speedup over the target alone with the same numerics, overall and per category.
@@ -299,7 +245,8 @@ def summarize(runs: list[Run], k: int, costs: dict[str, dict]) -> dict:
             "tokens_per_s_median": statistics.median(rates),
             "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates),
             "ttft_s_median": statistics.median(r.arrivals[0] for r in mine if r.arrivals),
-            "itl_s_p50": percentile(gaps, 50), "itl_s_p90": percentile(gaps, 90), "itl_s_p99": percentile(gaps, 99),
+            "itl_s_p50": harness.percentile(gaps, 50), "itl_s_p90": harness.percentile(gaps, 90),
+            "itl_s_p99": harness.percentile(gaps, 99),
             "same_tokens_as_target": all(r.tokens == reference[r.numerics, r.prompt] for r in mine),
         }
         rounds = sum(r.rounds for r in mine)
@@ -439,22 +386,17 @@ def chart(summary: dict, path: Path) -> None:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="specdec bench", description=__doc__,
-                                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
-    parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+    parser = harness.model_flags(parser or harness.parser_for("compare", __doc__), "compare-out", quantize="",
+                                 verbose=False)
+    parser.add_argument("--prompts", type=Path, default=harness.PROMPTS,
                         help="a text file, one prompt per line, in categories (see the default file)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
     parser.add_argument("--quantize", default="none",
                         help="numerics of every model, the target alone included: none or int8, or both "
                              "(none,int8): each runs every variant, side by side")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"))
     return parser
 
 
@@ -462,13 +404,13 @@ class Setup:
     """Everything the variants of one numerics run on: the models in this process and
     the deployments of the gRPC variants."""
 
-    def __init__(self, args, numerics: str, device: str, variants: list[str]):
+    def __init__(self, args, numerics: str, variants: list[str]):
         from drafter_service.proposers import ModelProposer
 
         self.numerics = numerics
 
         def load(spec: str, head_cut: bool = False):
-            model, tokenizer = modeling.load_model(spec, args.dtype, device)
+            model, tokenizer = modeling.load_model(spec, args.dtype, args.device)
             output_ids = modeling.restrict_output(model, spec) if head_cut else None
             return quantize.quantize(model, numerics), tokenizer, output_ids
 
@@ -486,12 +428,10 @@ class Setup:
         # makes the model its own: `generate` gets another copy.
         self.target_engine = Engine(load(args.target)[0], IN_PROCESS_KV_BYTES, threads=launch.VERIFIER_THREADS)
         self.eos = modeling.eos_token_ids(self.target, self.tokenizer)
-        flags = ["--quantize", numerics]
 
         def plan(draft=args.draft, overlap=False, proposer="model"):
-            drafter = flags if draft == "ngram" else [*flags, "--proposer", proposer]
-            return launch.plan(args.target, draft, 1, launch.free_port(), args.dtype, device, overlap,
-                               verifier_flags=flags, drafter_flags=drafter)
+            return harness.plan(args, draft=draft, overlap=overlap, quantize=numerics,
+                                drafter_flags=[] if draft == "ngram" else ["--proposer", proposer])
 
         self.deployments = {}
         if "grpc" in variants or "adaptive" in variants:
@@ -502,12 +442,11 @@ class Setup:
             self.deployments["ngram"] = plan(draft="ngram")
         if "hybrid" in variants:
             self.deployments["hybrid"] = plan(proposer="hybrid")
-        self.channels, self.stubs = {}, {}
+        self.stubs = {}
 
-    def connect(self) -> None:
+    def connect(self, stack: contextlib.ExitStack) -> None:
         for name, services in self.deployments.items():
-            self.channels[name] = grpc.insecure_channel(services[-1].address)
-            self.stubs[name] = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channels[name])
+            self.stubs[name] = stack.enter_context(harness.orchestrator(services))
         if "grpc" in self.stubs:
             self.stubs["adaptive"] = self.stubs["grpc"]
 
@@ -523,7 +462,8 @@ class Setup:
 
 
 def run(args) -> dict:
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -533,17 +473,13 @@ def run(args) -> dict:
     numerics = [q.strip() for q in args.quantize.split(",") if q.strip()]
     if not numerics or set(numerics) - {"none", "int8"}:
         raise SystemExit(f"--quantize: a list of {', '.join(quantize.METHODS)}, got {args.quantize!r}")
-    prompts = read_prompts(args.prompts)
-    setups = [Setup(args, q, device, variants) for q in numerics]
+    prompts = harness.read_prompts(args.prompts)
+    setups = [Setup(args, q, variants) for q in numerics]
     encoded = [prompt.encode(setups[0].tokenizer) for prompt in prompts]
     every = [services for setup in setups for services in setup.deployments.values()]
-    for services in every:
-        launch.start(services)
-    try:
-        for services in every:
-            launch.wait_serving(services, 900)
+    with harness.running(*every), contextlib.ExitStack() as stubs:
         for setup in setups:
-            setup.connect()
+            setup.connect(stubs)
         with torch.inference_mode():
             warm = encoded[0][:16]  # first calls pay one-off costs: keep them out of the figures
             for setup in setups:
@@ -562,28 +498,19 @@ def run(args) -> dict:
                                      prompt.category, run.label, run.tokens_per_s, len(run.tokens))
             costs = {setup.numerics: step_costs(setup.target_engine, setup.proposer.engine, encoded[0], args.k)
                      for setup in setups}
-        for setup in setups:
-            for channel in setup.channels.values():
-                channel.close()
-    finally:
-        for services in every:
-            launch.stop(services)
     summary = summarize(runs, args.k, costs)
     meta = {"target": args.target, "draft": args.draft, "prompts": len(prompts), "repeats": args.repeats,
-            "max_new_tokens": args.max_new_tokens, "device": device, "dtype": args.dtype, "quantize": numerics,
-            "categories": sorted({p.category for p in prompts}), "command": " ".join(sys.argv)}
-    args.out.mkdir(parents=True, exist_ok=True)
+            "max_new_tokens": args.max_new_tokens, "device": args.device, "dtype": args.dtype, "quantize": numerics,
+            "categories": sorted({p.category for p in prompts})}
     report = {"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}
-    (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "bench.md").write_text(markdown(summary, meta))
-    chart(summary, args.out / "bench.png")
+    harness.write_report(args.out, "compare", report, markdown(summary, meta))
+    chart(summary, args.out / "compare.png")
     return report
 
 
 def main_with(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report = run(args)
-    print((args.out / "bench.md").read_text())
     differ = [name for name, row in report["summary"]["variants"].items() if not row["same_tokens_as_target"]]
     theirs = [name for name in differ if report["summary"]["variants"][name]["variant"] == "assisted"]
     if theirs:  # transformers' own algorithm: reported, not ours to fail on
@@ -594,11 +521,3 @@ def main_with(args) -> int:
               file=sys.stderr)
         return 1
     return 0
-
-
-def main(argv=None) -> None:
-    raise SystemExit(main_with(build_parser().parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()

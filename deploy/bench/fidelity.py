@@ -1,4 +1,4 @@
-"""How faithful a model's numerics are to the model as published: `python -m deploy.fidelity`.
+"""How faithful a model's numerics are to the model as published: `specdec bench fidelity`.
 
 The reference is the target with its weights de-quantized to float32 (for a GGUF file,
 its blocks exactly: the published model) and float32 arithmetic. Each numerics
@@ -12,18 +12,15 @@ With --rounded-activations BITS/BLOCK,...: numerics a kernel could have, simulat
 reference: every linear layer's input rounded per BLOCK columns to BITS-bit integers with
 a block scale (the largest magnitude to the largest integer), the products in float64
 (a kernel's integer sums are exact). 16/32 is what our GGUF kernels do; 8/32 what
-llama.cpp's dot products do."""
+llama.cpp's dot products do. Writes fidelity.json and fidelity.md to --out."""
 
 import argparse
-import json
 import statistics
-import subprocess
-import time
-import urllib.request
+from pathlib import Path
 
 import torch
 
-from deploy import launch
+from deploy.bench import harness
 from specdec import modeling, quantize
 
 PROMPTS = [
@@ -44,11 +41,6 @@ PROMPTS = [
     "What is machine learning, in two sentences?",
     "Write a short thank-you note to a teacher.",
 ]
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
 
 
 def greedy(model, ids: list[int], n: int) -> list[int]:
@@ -99,37 +91,13 @@ def summary(label: str, reference: list[list[int]], answers: list[list[int]], ra
             f"{diverge:g} tokens; perplexity ratio " + (f"{ratio:.4f}" if ratio is not None else "n/a"))
 
 
-def llama_cpp_answers(bin_dir: str, gguf: str, prompts: list[list[int]], n: int, threads: int) -> list[list[int]]:
-    port = launch.free_port()
-    server = subprocess.Popen([f"{bin_dir}/llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                               "-t", str(threads), "-c", "2048", "-np", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("llama-server did not start")
-                time.sleep(0.5)
-        answers = []
-        for ids in prompts:
-            body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
-                               "return_tokens": True, "ignore_eos": False}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
-                                             {"Content-Type": "application/json"})
-            answers.append(json.loads(urllib.request.urlopen(request, timeout=300).read())["tokens"])
-        return answers
-    finally:
-        server.terminate()
-        server.wait()
+def llama_cpp_answers(bin_dir: str, target: str, prompts: list[list[int]], n: int, threads: int) -> list[list[int]]:
+    with harness.llama_server(bin_dir, target, threads=threads) as url:
+        return [harness.llama_completion(url, ids, n, return_tokens=True)["tokens"] for ids in prompts]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m deploy.fidelity", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or harness.parser_for("fidelity", __doc__)
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--quantize", default="gguf,int8", help="numerics to compare with the float32 reference")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -137,34 +105,41 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounded-activations", default="", metavar="BITS/BLOCK,...",
                         help="also simulate each such rounding of the linear layers' inputs (16/32: our kernels')")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path("fidelity-out"))
+    return parser
+
+
+def main_with(args) -> int:
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
     reference, tokenizer = modeling.load_model(args.target)
-    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
+    prompts = [harness.chat_ids(tokenizer, p) for p in PROMPTS]
     want = [greedy(reference, ids, args.max_new_tokens) for ids in prompts]
     base = [nll(reference, ids, a) for ids, a in zip(prompts, want)]
+    lines = []
 
-    def report(label: str, model) -> None:
+    def report(label: str, got: list[list[int]], ratio: float | None) -> None:
+        lines.append(summary(label, want, got, ratio))
+        print(lines[-1], flush=True)
+
+    def of_model(label: str, model) -> None:
         got = [greedy(model, ids, args.max_new_tokens) for ids in prompts]
-        ratio = torch.tensor([nll(model, ids, a) - b for ids, a, b in zip(prompts, want, base)]).mean().exp().item()
-        print(summary(label, want, got, ratio), flush=True)
+        report(label, got, torch.tensor([nll(model, ids, a) - b for ids, a, b in zip(prompts, want, base)]
+                                        ).mean().exp().item())
 
     for method in [m.strip() for m in args.quantize.split(",") if m.strip()]:
         model = quantize.quantize(modeling.load_model(args.target)[0], method)
-        report(f"{method} ({quantize.method_of(model)})", model)
+        of_model(f"{method} ({quantize.method_of(model)})", model)
         del model
     for spec in [r.strip() for r in args.rounded_activations.split(",") if r.strip()]:
         bits, block = (int(v) for v in spec.split("/"))
-        report(f"{bits}-bit activations per {block} columns (simulated)",
-               round_activations(modeling.load_model(args.target)[0], bits, block))
+        of_model(f"{bits}-bit activations per {block} columns (simulated)",
+                 round_activations(modeling.load_model(args.target)[0], bits, block))
     if args.llama_cpp:
-        gguf = modeling.gguf_file(args.target)
-        if gguf is None:
-            raise SystemExit("--llama-cpp needs a GGUF target")
-        got = llama_cpp_answers(args.llama_cpp, gguf, prompts, args.max_new_tokens, args.threads)
-        print(summary("llama.cpp (llama-server)", want, got, None), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        report("llama.cpp (llama-server)",
+               llama_cpp_answers(args.llama_cpp, args.target, prompts, args.max_new_tokens, args.threads), None)
+    meta = {"target": args.target, "max_new_tokens": args.max_new_tokens, "prompts": len(PROMPTS),
+            "threads": args.threads}
+    harness.write_report(args.out, "fidelity", {"meta": meta, "lines": lines},
+                         "".join(f"- {line}\n" for line in lines), echo=False)
+    return 0

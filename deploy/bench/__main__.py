@@ -1,0 +1,3 @@
+from deploy.bench import main
+
+main()
