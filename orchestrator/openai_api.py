@@ -221,6 +221,8 @@ class OpenAIFront:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].content: text parts only",
                                   f"messages[{i}].content")
                 content = "".join(p.get("text", "") for p in content)
+            if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") is not None:
+                content = _said_calls(m["tool_calls"], content, f"messages[{i}]")
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}]: needs a role and text content",
                               f"messages[{i}]")
@@ -430,6 +432,27 @@ def _tools(body: dict, generate: pb.GenerateRequest) -> set[str] | None:
     else:
         generate.constraint.json_schema = json.dumps(calls)
     return set(specs)
+
+
+def _said_calls(calls, content, where: str) -> str:
+    """An earlier assistant turn's tool calls as the model writes a call (the answer's
+    constraint), one a line, after any text it said."""
+    if not isinstance(calls, list) or not calls:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}.tool_calls: a non-empty list", f"{where}.tool_calls")
+    lines = [content] if isinstance(content, str) and content else []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) and call.get("type", "function") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        try:
+            arguments = json.loads(function.get("arguments", "{}")) if isinstance(function, dict) else None
+        except (TypeError, ValueError):
+            arguments = None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}.tool_calls[{j}]: a function with a name and "
+                                                            "arguments (a JSON object, as text)",
+                          f"{where}.tool_calls[{j}]")
+        lines.append(json.dumps({"name": name, "arguments": arguments}))  # the separators JSON_SHAPE asks for
+    return "\n".join(lines)
 
 
 def _calls(text: str, tools: set[str] | None, result: pb.Result) -> list[dict]:

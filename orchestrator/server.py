@@ -39,7 +39,7 @@ MAX_STOP_LENGTH = 256  # characters; the text stream holds back up to this much
 PLACEMENT_WAIT_S = 20.0  # how long ScaleDrafters waits to tell placed replicas from pending ones
 MAX_REQUEST_ID = 128
 MAX_TOP_LOGPROBS = 20
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # tool: a function's result, as the chat template shows it
 
 
 @dataclass
@@ -163,9 +163,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                     raise InvalidArgument(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
             if not self.tokenizer.chat_template:
                 raise InvalidArgument("chat", "the target model has no chat template; send text")
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in r.chat.messages],
-                add_generation_prompt=True, tokenize=False)
+            try:
+                rendered = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in r.chat.messages],
+                    add_generation_prompt=True, tokenize=False)
+            except Exception as err:  # the template's own checks (roles that must alternate, ...)
+                raise InvalidArgument("chat.messages", f"the target's chat template refused them: {err}") from err
             return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         ids = list(r.token_ids.ids)
         if not ids:

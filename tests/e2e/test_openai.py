@@ -231,6 +231,34 @@ def test_tools_come_back_as_tool_calls(api):
         assert err.value.body["param"] == param
 
 
+def test_a_conversation_returns_a_tool_result_and_the_answer_follows_it(api):
+    cluster, o, client, _ = api
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18}'}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    # The same generation as a gRPC chat in which the call is written as the model writes one.
+    said = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    result = grpc_generate(cluster, o, chat=pb.Chat(messages=[
+        pb.ChatMessage(role="user", content=messages[0]["content"]), pb.ChatMessage(role="assistant", content=said),
+        pb.ChatMessage(role="tool", content=messages[2]["content"])]), max_new_tokens=16)
+    assert out.choices[0].message.content == result.text
+    assert out.usage.prompt_tokens == result.usage.prompt_tokens
+    for broken, param in (({**call, "function": {"name": "get_weather", "arguments": "{not json"}},
+                           "messages[1].tool_calls[0]"),
+                          ({"type": "function", "function": {"arguments": "{}"}}, "messages[1].tool_calls[0]")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+                messages[0], {"role": "assistant", "content": None, "tool_calls": [broken]}])
+        assert err.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+            messages[0], {"role": "assistant", "content": None, "tool_calls": []}])
+    assert err.value.body["param"] == "messages[1].tool_calls"
+
+
 def test_n_choices_are_independent_samples_a_seed_reproduces(api):
     _, _, client, _ = api
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "Name an animal."}], max_tokens=12,
