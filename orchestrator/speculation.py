@@ -17,7 +17,7 @@ from opentelemetry import context as otel_context, trace
 
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
-from specdec import features, grammar, tracing
+from specdec import features, grammar, sampling, tracing
 from specdec.errors import needs_resync
 from specdec.lookup import LookupIndex, OutputMemory
 from specdec.verifier.v1 import verifier_pb2
@@ -589,7 +589,7 @@ async def speculate(
             continue
         new, ahead = await _round(policy, drafter, verifier, history, by_lookup, k_round, ahead,
                                   overlap and produced + k_round + 2 < max_new_tokens, stats, trace_context, guide)
-        new = _until_eos(new, eos)
+        new = sampling.until_stop(new, eos)
         history.extend(new)
         produced += len(new)
         yield new
@@ -623,14 +623,6 @@ def _allowed(guide: grammar.Guide | None, drafts: list[int]) -> list[int]:
     """The drafts up to the first one the constraint forbids, that one included: the
     verifier rejects it, and the drafts after it could never be accepted."""
     return drafts if guide is None else drafts[:guide.allowed(drafts) + 1]
-
-
-def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    """tokens up to and including the first EOS token."""
-    for i, token in enumerate(tokens):
-        if token in eos:
-            return tokens[:i + 1]
-    return tokens
 
 
 async def _round(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifier: VerifierLink, history: list[int],

@@ -23,6 +23,15 @@ def is_greedy(params: common_pb2.SamplingParams) -> bool:
 MIN_TEMPERATURE = 0.01
 
 
+def until_stop(tokens: list[int], stop: set[int]) -> list[int]:
+    """tokens up to and including the first stop token (an end of sequence): what a
+    generation keeps of tokens committed together."""
+    for i, token in enumerate(tokens):
+        if token in stop:
+            return tokens[:i + 1]
+    return tokens
+
+
 def check_temperature(field: str, t: float) -> None:
     if not math.isfinite(t) or not (t == 0 or t >= MIN_TEMPERATURE):
         raise InvalidArgument(field, f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t}")

@@ -93,7 +93,7 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
         if guide is not None:
             logits = grammar.apply(logits, guide.masks(pending))
         accepted, token = judge(logits, pending, [], params, position)
-        tokens = _until_stop(pending[:accepted] + [token], stop)[:end - position]
+        tokens = sampling.until_stop(pending[:accepted] + [token], stop)[:end - position]
         if notes is not None:
             own = len(tokens) - 1 >= accepted  # the last token is the pass's own (not a draft cut short)
             for i, t in enumerate(tokens):
@@ -117,13 +117,6 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
         async for token, done, rows in steps:
             yield token, done, encode_features(position, rows)
             position += len(rows)
-
-
-def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
-    for i, token in enumerate(tokens):
-        if token in stop:
-            return tokens[:i + 1]
-    return tokens
 
 
 def judge(logits: torch.Tensor, drafts: list[int], draft_probs: list[common_pb2.SparseDistribution],
