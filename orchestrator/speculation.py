@@ -209,11 +209,13 @@ class VerifierLink:
             self.features.window.add(response.features)
             self.stats.feature_bytes += len(response.features.data)
 
-    async def decode(self, history: list[int], max_tokens: int, stop: set[int], draft_forced: bool = False
+    async def decode(self, history: list[int], max_tokens: int, stop: set[int], draft_forced: bool = False,
+                     draft_lookup: verifier_pb2.LookupRule | None = None
                      ) -> AsyncIterator[tuple[int, verifier_pb2.BatchPass]]:
         """The target alone after `history`: up to max_tokens tokens, each as soon as the
-        verifier picks it, ending after a stop token (`draft_forced`: see DecodeRequest).
-        A call that fails part-way goes on from the tokens it gave."""
+        verifier picks it, ending after a stop token (`draft_forced`, `draft_lookup`: the
+        drafts the verifier makes within the run; see DecodeRequest). A call that fails
+        part-way goes on from the tokens it gave."""
         retry, got = _Retry(self), []
         while len(got) < max_tokens and not (got and got[-1] in stop):
             call = None
@@ -224,12 +226,12 @@ class VerifierLink:
                     session_id=self.session_id, start=self.synced, new_tokens=sent[self.synced:],
                     sampling=self.params, max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop),
                     features=self.features and self.features.request(len(sent)), draft_forced=draft_forced,
-                    **self._session_fields())
+                    draft_lookup=draft_lookup, **self._session_fields())
                 call = stub.Decode(request, timeout=self.deadline.timeout(self.timeout_s),
                                    metadata=self.metadata + tracing.headers())
                 async for message in call:
                     got.append(message.token_id)
-                    # The forced tokens the verifier drafted within the run (draft_forced).
+                    # The drafts the verifier made within the run (draft_forced, draft_lookup).
                     self.stats.draft_tokens += message.drafted + message.drafts_rejected
                     self.stats.accepted_tokens += message.drafted
                     if message.HasField("logprobs"):
@@ -503,14 +505,15 @@ class _BesideRun:
 
 async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], history: list[int],
                      verifier: VerifierLink, stats: Stats, trace_context, beside: "_BesideRun | None" = None,
-                     draft_forced: bool = False) -> AsyncIterator[int]:
+                     draft_forced: bool = False, draft_lookup: verifier_pb2.LookupRule | None = None
+                     ) -> AsyncIterator[int]:
     """Up to `policy.run_length(budget)` tokens of the target alone, each yielded as it
     comes (the caller appends it to `history`); each counts as a round without drafts.
     `beside`: a probe of the drafter beside this run (what it costs the run's steps is
-    measured, where it answers before the run ends). `draft_forced`: the verifier drafts
-    a constraint's forced tokens itself."""
+    measured, where it answers before the run ends). `draft_forced`, `draft_lookup`: the
+    verifier drafts a constraint's forced tokens, and lookup matches, itself."""
     span = tracing.tracer.start_span("decode", context=trace_context)
-    steps = verifier.decode(list(history), policy.run_length(budget), eos, draft_forced)
+    steps = verifier.decode(list(history), policy.run_length(budget), eos, draft_forced, draft_lookup)
     started = last = first = time.perf_counter()
     tokens, passes = 0, []
     try:
@@ -704,15 +707,21 @@ async def _target_alone(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifi
     probe_k = policy.beside_run()
     beside = _BesideRun(drafter, history, probe_k) if probe_k else None
     check = policy.probes_beside_runs
-    # Under a constraint, where the policy may draft, the verifier drafts the forced tokens
-    # within the run (no round trip): the run is cut only for a lookup match.
+    # Under a constraint, where the policy may draft, the verifier drafts within the run
+    # (no round trip): the forced tokens, and where the drafters draft by lookup, lookup
+    # matches (they are not worth a run's cut there: measured, see _free_drafts).
     draft_forced = guide is not None and policy.k_max > 0
+    draft_lookup = None
     if draft_forced:
         by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max, forced=False)
+        if drafter.pool.lookup_rule is not None and not drafter.refused and verifier.features is None:
+            draft_lookup = verifier_pb2.LookupRule(min_match=drafter.pool.lookup_rule[0],
+                                                   max_match=drafter.pool.lookup_rule[1],
+                                                   max_drafts=policy.lookup_k_max)
     expected = by_lookup[:1] if check else []
     try:
         async with contextlib.aclosing(_plain_run(policy, budget, eos, history, verifier, stats,
-                                                  trace_context, beside, draft_forced)) as run:
+                                                  trace_context, beside, draft_forced, draft_lookup)) as run:
             async for token in run:
                 if expected:
                     policy.observe_beside(1, int(token == expected[0]), None, lookup=True)

@@ -14,6 +14,7 @@ import torch
 
 from specdec import grammar, sampling
 from specdec.features import encode as encode_features
+from specdec.lookup import LookupIndex
 from specdec.common.v1 import common_pb2
 from specdec.engine import PagedSequence, Pass
 from specdec.errors import InvalidArgument
@@ -74,7 +75,10 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     round without drafts would pick it (under the session's constraint, `guide`), until
     max_tokens, a stop token, the model's limit or a grammar that allows nothing more.
     With `draft_forced`, the tokens the grammar forces after a pass's token are drafts of
-    the next pass, checked as a round checks drafts: a pass can commit several.
+    the next pass, checked as a round checks drafts: a pass can commit several; with
+    `draft_lookup`, where nothing is forced, the prompt-lookup match of the committed
+    tokens is (one draft before any of the run's lookup drafts passed, then up to twice
+    as many as the last pass's that passed).
     With each token, the features asked for of the positions its pass computed; into
     `notes`, for each token in order: (whether it was a kept draft, the drafts its pass
     rejected where it is the pass's own token, its log-probabilities if asked)."""
@@ -85,14 +89,23 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     end = len(seq.tokens) + min(request.max_tokens, max_positions - len(seq.tokens))
     stop, params = set(request.stop_token_ids), request.sampling
     jump = guide is not None and request.draft_forced and not layers
+    lookup = None
+    if request.HasField("draft_lookup") and not layers:
+        rule = request.draft_lookup
+        lookup = LookupIndex(rule.max_match, rule.min_match)
+        lookup.update(seq.tokens)
+    passed: int | None = None  # of the run's last lookup-drafted pass, the drafts kept
     pending: list[int] = []  # the drafts of the running pass (Engine.decode keeps them in the sequence)
+    by_lookup = False  # whether `pending` came from the lookup
 
     def pick(logits: torch.Tensor) -> tuple[list[int], list[int], bool]:  # on the engine's thread
-        nonlocal pending
+        nonlocal pending, passed, by_lookup
         position = len(seq.tokens) - len(pending)  # of the pass's first pick
         if guide is not None:
             logits = grammar.apply(logits, guide.masks(pending))
         accepted, token = judge(logits, pending, [], params, position)
+        if by_lookup:
+            passed = accepted
         tokens = sampling.until_stop(pending[:accepted] + [token], stop)[:end - position]
         if notes is not None:
             own = len(tokens) - 1 >= accepted  # the last token is the pass's own (not a draft cut short)
@@ -104,7 +117,17 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
             for t in tokens:
                 guide.advance(t)
         end_of_run = tokens[-1] in stop or position + len(tokens) >= end or (guide is not None and guide.dead)
-        pending = [] if end_of_run or not jump else guide.forced()[:end - position - len(tokens) - 1]
+        drafts, by_lookup = [], False
+        if not end_of_run and jump:
+            drafts = guide.forced()
+        if not end_of_run and not drafts and lookup is not None:
+            lookup.update(seq.tokens[:position] + tokens)  # the committed history only grows within a run
+            drafts = lookup.match(min(rule.max_drafts, 1 if passed is None else max(1, 2 * passed)))
+            if guide is not None:
+                drafts = drafts[:guide.allowed(drafts)]  # a forbidden draft could only be rejected
+            by_lookup = bool(drafts)
+        pending = drafts[:end - position - len(tokens) - 1]
+        by_lookup = by_lookup and bool(pending)
         return tokens, pending, not end_of_run
 
     if not layers:

@@ -26,6 +26,7 @@ MAX_DRAFT_TOKENS = 64
 MAX_STOP_TOKENS = 64
 MAX_DECODE_TOKENS = 1024
 MAX_FEATURE_LAYERS = 8
+MAX_LOOKUP_MATCH = 64
 
 
 def batch_pass(done) -> verifier_pb2.BatchPass:
@@ -39,6 +40,20 @@ MAX_TOP_LOGPROBS = 20
 def check_top_logprobs(top: int) -> None:
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+
+
+def check_lookup_rule(request: verifier_pb2.DecodeRequest) -> None:
+    if not request.HasField("draft_lookup"):
+        return
+    rule = request.draft_lookup
+    if not 1 <= rule.max_match <= MAX_LOOKUP_MATCH:
+        raise InvalidArgument("draft_lookup.max_match", f"must be in [1, {MAX_LOOKUP_MATCH}], got {rule.max_match}")
+    if not 1 <= rule.min_match <= rule.max_match:
+        raise InvalidArgument("draft_lookup.min_match", f"must be in [1, max_match], got {rule.min_match}")
+    if not 1 <= rule.max_drafts <= MAX_DRAFT_TOKENS:
+        raise InvalidArgument("draft_lookup.max_drafts", f"must be in [1, {MAX_DRAFT_TOKENS}], got {rule.max_drafts}")
+    if request.features.layers:
+        raise InvalidArgument("draft_lookup", "not with features (a feature drafter's run drafts nothing)")
 
 
 def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> None:
@@ -132,6 +147,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                 raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_TOKENS}, got {len(request.stop_token_ids)}")
             sampling.validate(request.sampling)
             check_top_logprobs(request.top_logprobs)
+            check_lookup_rule(request)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
             check_token_ids("stop_token_ids", request.stop_token_ids, self.info.vocab_size)
             if request.start == 0 and not request.new_tokens:

@@ -103,6 +103,15 @@ def Decode(session_id="bad-input", start=0, new_tokens=(1, 2), max_tokens=4, **k
     (grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids", Decode(stop_token_ids=list(range(65)))),
     (grpc.StatusCode.INVALID_ARGUMENT, "new_tokens", Decode(new_tokens=[1] * 9000)),  # past the model's limit
     (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p", Decode(sampling=common_pb2.SamplingParams(top_p=2.0))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "draft_lookup.max_match",
+     Decode(draft_lookup=verifier_pb2.LookupRule(min_match=1, max_match=65, max_drafts=4))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "draft_lookup.min_match",
+     Decode(draft_lookup=verifier_pb2.LookupRule(min_match=5, max_match=4, max_drafts=4))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "draft_lookup.max_drafts",
+     Decode(draft_lookup=verifier_pb2.LookupRule(min_match=1, max_match=4, max_drafts=0))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "draft_lookup",
+     Decode(draft_lookup=verifier_pb2.LookupRule(min_match=1, max_match=4, max_drafts=4),
+            features=verifier_pb2.FeatureRequest(layers=[1]))),
 ])
 def test_verifier_decode_names_the_field(tiny_cluster, code, field, message):
     stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])

@@ -57,7 +57,7 @@ class FakeVerifier:
             accepted += 1
         return accepted, target_next(history + drafts[:accepted]), None
 
-    async def decode(self, history, max_tokens, stop, draft_forced=False):
+    async def decode(self, history, max_tokens, stop, draft_forced=False, draft_lookup=None):
         history = list(history)
         for _ in range(max_tokens):
             await asyncio.sleep(0)

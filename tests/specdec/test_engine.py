@@ -873,3 +873,29 @@ def test_calls_are_not_held_up_by_a_decode_step_picking_its_token(models):
     assert not held_up, "submit waited for the pick"
     assert got == greedy_reference(models, tokens(12, 93), 1)
     close(submitted[0].future.result(10)[0], fresh(models, other.tokens, 1))
+
+
+def test_decode_drafts_lookup_matches_within_its_run_and_keeps_the_targets_tokens(models):
+    """DecodeRequest.draft_lookup: where the committed tokens end in an n-gram that
+    occurred before, what followed it is drafted into the next pass and checked there;
+    the tokens are the target alone's, and the notes count the drafts kept and rejected.
+    Without it, a run drafts nothing."""
+    from collections import deque
+
+    from specdec.verifier.v1 import verifier_pb2
+    from verifier_service.acceptance import decode
+
+    prompt = tokens(8, 21)  # the tiny model's greedy answer falls into loops: lookup drafts them
+    want = greedy_reference(models, prompt, 64)
+    rule = verifier_pb2.LookupRule(min_match=2, max_match=4, max_drafts=8)
+
+    async def run(**fields):
+        seq, notes = engine(models).new_sequence(), deque()
+        request = verifier_pb2.DecodeRequest(start=0, new_tokens=prompt, max_tokens=64, **fields)
+        got = [token async for token, _, _ in decode(seq, request, 4096, None, notes)]
+        return got, sum(kept for kept, _, _ in notes), sum(rejected for _, rejected, _ in notes)
+
+    got, kept, rejected = asyncio.run(run(draft_lookup=rule))
+    assert got == want
+    assert kept >= 4 and rejected >= 1, (kept, rejected)  # kept in the loops, rejected where they end
+    assert asyncio.run(run()) == (want, 0, 0)
