@@ -20,6 +20,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
     guide: Any = None  # the verifier's output constraint (specdec.grammar.Guide), set at start = 0
+    lookup_passed: int | None = None  # the verifier's in-run lookup: what its last lookup drafts kept
 
 
 class SessionStore:

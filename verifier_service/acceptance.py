@@ -68,8 +68,8 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> common_pb2.Tok
 
 
 async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_positions: int,
-                 guide: grammar.Guide | None = None, notes: collections.deque | None = None
-                 ) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
+                 guide: grammar.Guide | None = None, notes: collections.deque | None = None,
+                 session=None) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
     """The target alone on a session: bring the cache to the committed history, then a
     token per pass (each pass shared with the other sessions ready), each picked as a
     round without drafts would pick it (under the session's constraint, `guide`), until
@@ -77,8 +77,9 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     With `draft_forced`, the tokens the grammar forces after a pass's token are drafts of
     the next pass, checked as a round checks drafts: a pass can commit several; with
     `draft_lookup`, where nothing is forced, the prompt-lookup match of the committed
-    tokens is (one draft before any of the run's lookup drafts passed, then up to twice
-    as many as the last pass's that passed).
+    tokens is (one draft before any of the session's lookup drafts passed, then up to
+    twice as many as its last lookup-drafted pass kept: `session.lookup_passed`, carried
+    from run to run of a request).
     With each token, the features asked for of the positions its pass computed; into
     `notes`, for each token in order: (whether it was a kept draft, the drafts its pass
     rejected where it is the pass's own token, its log-probabilities if asked)."""
@@ -94,7 +95,7 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
         rule = request.draft_lookup
         lookup = LookupIndex(rule.max_match, rule.min_match)
         lookup.update(seq.tokens)
-    passed: int | None = None  # of the run's last lookup-drafted pass, the drafts kept
+    passed = session.lookup_passed if session is not None else None  # the last lookup drafts kept
     pending: list[int] = []  # the drafts of the running pass (Engine.decode keeps them in the sequence)
     by_lookup = False  # whether `pending` came from the lookup
 
@@ -106,6 +107,8 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
         accepted, token = judge(logits, pending, [], params, position)
         if by_lookup:
             passed = accepted
+            if session is not None:
+                session.lookup_passed = accepted
         tokens = sampling.until_stop(pending[:accepted] + [token], stop)[:end - position]
         if notes is not None:
             own = len(tokens) - 1 >= accepted  # the last token is the pass's own (not a draft cut short)

@@ -83,9 +83,11 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
 
     async def guide(self, request, session) -> grammar.Guide | None:
         """The session's constraint: a call with start = 0 sets it (compiled off the event
-        loop: a large grammar takes milliseconds), the others keep it."""
+        loop: a large grammar takes milliseconds), the others keep it. A call with start = 0
+        begins a new output: what its in-run lookup drafts kept is not known yet."""
         if request.start != 0:
             return session.guide
+        session.lookup_passed = None
         if request.constraint.WhichOneof("kind") is None:
             session.guide = None
             return None
@@ -164,7 +166,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                     # before another call may touch the session.
                     notes = collections.deque()  # filled on the engine's thread, in token order
                     async with contextlib.aclosing(decode(seq, request, self.info.max_positions, guide,
-                                                          notes)) as steps:
+                                                          notes, session)) as steps:
                         async for token, done, features in steps:
                             drafted, rejected, logprobs = notes.popleft()
                             yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done),

@@ -7,6 +7,7 @@ import copy
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -889,13 +890,16 @@ def test_decode_drafts_lookup_matches_within_its_run_and_keeps_the_targets_token
     want = greedy_reference(models, prompt, 64)
     rule = verifier_pb2.LookupRule(min_match=2, max_match=4, max_drafts=8)
 
+    session = SimpleNamespace(lookup_passed=None)  # what the session's last lookup drafts kept
+
     async def run(**fields):
         seq, notes = engine(models).new_sequence(), deque()
         request = verifier_pb2.DecodeRequest(start=0, new_tokens=prompt, max_tokens=64, **fields)
-        got = [token async for token, _, _ in decode(seq, request, 4096, None, notes)]
+        got = [token async for token, _, _ in decode(seq, request, 4096, None, notes, session)]
         return got, sum(kept for kept, _, _ in notes), sum(rejected for _, rejected, _ in notes)
 
     got, kept, rejected = asyncio.run(run(draft_lookup=rule))
     assert got == want
     assert kept >= 4 and rejected >= 1, (kept, rejected)  # kept in the loops, rejected where they end
+    assert session.lookup_passed is not None  # the request's next run starts from it
     assert asyncio.run(run()) == (want, 0, 0)
