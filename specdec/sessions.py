@@ -21,6 +21,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     guide: Any = None  # the verifier's output constraint (specdec.grammar.Guide), set at start = 0
     lookup_passed: int | None = None  # the verifier's in-run lookup: what its last lookup drafts kept
+    lookup_index: Any = None  # and its index of the committed tokens (specdec.lookup.LookupIndex)
 
 
 class SessionStore:

@@ -93,8 +93,15 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     lookup = None
     if request.HasField("draft_lookup") and not layers:
         rule = request.draft_lookup
-        lookup = LookupIndex(rule.max_match, rule.min_match)
+        lookup = session.lookup_index if session is not None else None
+        # The session's index, where it still describes the committed history (a request's
+        # runs follow each other: each call adds only its new tokens, not the whole prompt).
+        if lookup is None or (lookup.min_n, lookup.max_n) != (rule.min_match, rule.max_match) \
+                or seq.tokens[:len(lookup.tokens)] != lookup.tokens:
+            lookup = LookupIndex(rule.max_match, rule.min_match)
         lookup.update(seq.tokens)
+        if session is not None:
+            session.lookup_index = lookup
     passed = session.lookup_passed if session is not None else None  # the last lookup drafts kept
     pending: list[int] = []  # the drafts of the running pass (Engine.decode keeps them in the sequence)
     by_lookup = False  # whether `pending` came from the lookup

@@ -87,7 +87,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
         begins a new output: what its in-run lookup drafts kept is not known yet."""
         if request.start != 0:
             return session.guide
-        session.lookup_passed = None
+        session.lookup_passed = session.lookup_index = None
         if request.constraint.WhichOneof("kind") is None:
             session.guide = None
             return None

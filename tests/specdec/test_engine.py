@@ -890,7 +890,7 @@ def test_decode_drafts_lookup_matches_within_its_run_and_keeps_the_targets_token
     want = greedy_reference(models, prompt, 64)
     rule = verifier_pb2.LookupRule(min_match=2, max_match=4, max_drafts=8)
 
-    session = SimpleNamespace(lookup_passed=None)  # what the session's last lookup drafts kept
+    session = SimpleNamespace(lookup_passed=None, lookup_index=None)  # the session's lookup state
 
     async def run(**fields):
         seq, notes = engine(models).new_sequence(), deque()
@@ -902,4 +902,6 @@ def test_decode_drafts_lookup_matches_within_its_run_and_keeps_the_targets_token
     assert got == want
     assert kept >= 4 and rejected >= 1, (kept, rejected)  # kept in the loops, rejected where they end
     assert session.lookup_passed is not None  # the request's next run starts from it
+    held = session.lookup_index.tokens  # the next call of the request adds to it what it lacks
+    assert len(held) > len(prompt) and held == (prompt + want)[:len(held)]
     assert asyncio.run(run()) == (want, 0, 0)
