@@ -132,9 +132,9 @@ def running(*deployments: list[launch.Service], log_dir: Path | None = None, tim
         log_dir.mkdir(parents=True, exist_ok=True)
     log = open(log_dir / "services.log", "a") if log_dir is not None else None
     try:
-        for services in deployments:
-            launch.start(services, log=log)
-        try:
+        try:  # a deployment that fails to start stops those started before it
+            for services in deployments:
+                launch.start(services, log=log)
             for services in deployments:
                 launch.wait_serving(services, timeout_s)
             yield deployments
