@@ -147,9 +147,10 @@ class _LocalVerifier:
         accepted, token, done, *_ = await self.verify_round(self.seq, request)
         return accepted, token, done
 
-    async def decode(self, history, max_tokens, stop, draft_forced=False):
+    async def decode(self, history, max_tokens, stop, draft_forced=False, draft_lookup=None):
         request = verifier_pb2.DecodeRequest(start=self.synced, new_tokens=history[self.synced:],
-                                             sampling=self.params, max_tokens=max_tokens, stop_token_ids=sorted(stop))
+                                             sampling=self.params, max_tokens=max_tokens, stop_token_ids=sorted(stop),
+                                             draft_forced=draft_forced, draft_lookup=draft_lookup)
         self.synced = len(history)
         async for token, done, _ in self.decode_run(self.seq, request, modeling.max_positions(self.engine.model)):
             yield token, done
