@@ -8,6 +8,7 @@ tokens. The target keeps the longest accepted prefix and adds one token: the
 
 import collections
 import contextlib
+from types import SimpleNamespace
 from typing import AsyncIterator
 
 import torch
@@ -90,32 +91,29 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     end = len(seq.tokens) + min(request.max_tokens, max_positions - len(seq.tokens))
     stop, params = set(request.stop_token_ids), request.sampling
     jump = guide is not None and request.draft_forced and not layers
+    # The in-run lookup's state lives with the session: a request's next run goes on from it.
+    state = session if session is not None else SimpleNamespace(lookup_passed=None, lookup_index=None)
     lookup = None
     if request.HasField("draft_lookup") and not layers:
         rule = request.draft_lookup
-        lookup = session.lookup_index if session is not None else None
-        # The session's index, where it still describes the committed history (a request's
-        # runs follow each other: each call adds only its new tokens, not the whole prompt).
+        lookup = state.lookup_index
+        # Kept where it still describes the committed history: each call then indexes only
+        # its new tokens, not the whole prompt again.
         if lookup is None or (lookup.min_n, lookup.max_n) != (rule.min_match, rule.max_match) \
                 or seq.tokens[:len(lookup.tokens)] != lookup.tokens:
-            lookup = LookupIndex(rule.max_match, rule.min_match)
+            lookup = state.lookup_index = LookupIndex(rule.max_match, rule.min_match)
         lookup.update(seq.tokens)
-        if session is not None:
-            session.lookup_index = lookup
-    passed = session.lookup_passed if session is not None else None  # the last lookup drafts kept
     pending: list[int] = []  # the drafts of the running pass (Engine.decode keeps them in the sequence)
     by_lookup = False  # whether `pending` came from the lookup
 
     def pick(logits: torch.Tensor) -> tuple[list[int], list[int], bool]:  # on the engine's thread
-        nonlocal pending, passed, by_lookup
+        nonlocal pending, by_lookup
         position = len(seq.tokens) - len(pending)  # of the pass's first pick
         if guide is not None:
             logits = grammar.apply(logits, guide.masks(pending))
         accepted, token = judge(logits, pending, [], params, position)
         if by_lookup:
-            passed = accepted
-            if session is not None:
-                session.lookup_passed = accepted
+            state.lookup_passed = accepted
         tokens = sampling.until_stop(pending[:accepted] + [token], stop)[:end - position]
         if notes is not None:
             own = len(tokens) - 1 >= accepted  # the last token is the pass's own (not a draft cut short)
@@ -132,6 +130,7 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
             drafts = guide.forced()
         if not end_of_run and not drafts and lookup is not None:
             lookup.update(seq.tokens[:position] + tokens)  # the committed history only grows within a run
+            passed = state.lookup_passed  # what the last lookup drafts kept (None: none drafted yet)
             drafts = lookup.match(min(rule.max_drafts, 1 if passed is None else max(1, 2 * passed)))
             if guide is not None:
                 drafts = drafts[:guide.allowed(drafts)]  # a forbidden draft could only be rejected

@@ -387,7 +387,7 @@ def chart(summary: dict, path: Path) -> None:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = harness.model_flags(parser or harness.parser_for("compare", __doc__), "compare-out", quantize="",
+    parser = harness.model_flags(parser or harness.parser_for("compare", __doc__), "compare-out", quantize=False,
                                  verbose=False)
     parser.add_argument("--prompts", type=Path, default=harness.PROMPTS,
                         help="a text file, one prompt per line, in categories (see the default file)")

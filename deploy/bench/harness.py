@@ -28,15 +28,16 @@ UNSEEN_PROMPTS = DATA / "unseen_prompts.txt"  # 800 chat questions, none in any 
 STRUCTURED_PROMPTS = DATA / "structured_prompts.jsonl"
 
 
-def model_flags(parser: argparse.ArgumentParser, out: str, quantize: str = "auto", draft: bool = True,
+def model_flags(parser: argparse.ArgumentParser, out: str, quantize: bool = True, draft: bool = True,
                 verbose: bool = True) -> argparse.ArgumentParser:
-    """The flags every benchmark that starts a deployment takes, as `specdec up` names them."""
+    """The flags every benchmark that starts a deployment takes, as `specdec up` names them
+    (`quantize` False: the benchmark takes its own --quantize, or none)."""
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     if draft:
         parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (auto: cuda where there is one)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
-    if quantize == "auto":
+    if quantize:
         parser.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int8", "none"],
                             help="numerics of every model (auto: as specdec up)")
     if verbose:

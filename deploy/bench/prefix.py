@@ -70,7 +70,7 @@ def markdown(results: dict, meta: dict) -> str:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = harness.model_flags(parser or harness.parser_for("prefix", __doc__), "prefix-out", quantize="",
+    parser = harness.model_flags(parser or harness.parser_for("prefix", __doc__), "prefix-out", quantize=False,
                                  draft=False)
     parser.add_argument("--replicas", type=int, default=2, help="verifier replicas")
     parser.add_argument("--threads", type=int, default=1, help="threads of each replica's passes")
