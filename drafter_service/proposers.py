@@ -44,14 +44,17 @@ class Proposer(abc.ABC):
         """Yields up to k draft tokens following seq.tokens, appending each to seq."""
 
 
-def draw(logits: torch.Tensor, params: common_pb2.SamplingParams, draws: sampling.Draws, position: int,
+def draw(logits: torch.Tensor, params: common_pb2.SamplingParams, draws: sampling.Draws, history: list[int],
          output_ids: torch.Tensor | None, max_support: int) -> Draft:
-    """A draft token from logits [vocab] (over the tokens `output_ids` names, if given):
+    """A draft token after `history` from logits [vocab] (over the tokens `output_ids`
+    names, if given), with the request's bias and penalties as the target applies them:
     greedy, the argmax and no q; sampled, a draw from the top `max_support` tokens of q,
     and exactly that sparse distribution."""
     def token_of(index):
         return index if output_ids is None else output_ids[index]
 
+    position = len(history)
+    logits = sampling.penalize(logits[None], params, history, columns=output_ids)[0]
     if sampling.is_greedy(params):
         return int(token_of(logits.argmax())), None
     p = sampling.probs(logits, params)
@@ -93,7 +96,7 @@ class ModelProposer(Proposer):
         draws = sampling.Draws(params.seed, "draft")
         for i in range(k):
             logits = (await seq.logits(1, again=i + 1 < k))[0][0]  # [vocab]
-            token, q = draw(logits, params, draws, len(seq.tokens), self.output_ids, self.max_support)
+            token, q = draw(logits, params, draws, seq.tokens, self.output_ids, self.max_support)
             seq.extend([token])
             yield token, q
 
@@ -241,7 +244,7 @@ class FeatureProposer(Proposer):
         g, logits = seq.last
         try:
             for j in range(k):
-                token, q = draw(logits, params, draws, len(seq.tokens), self.output_ids, self.max_support)
+                token, q = draw(logits, params, draws, seq.tokens, self.output_ids, self.max_support)
                 seq.extend([token])
                 yield token, q
                 if j + 1 < k:

@@ -54,7 +54,7 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
             k = request.num_draft_tokens
             if not 1 <= k <= MAX_DRAFT_TOKENS:
                 raise InvalidArgument("num_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
-            sampling.validate(request.sampling)
+            sampling.validate(request.sampling, vocab_size=self.info.vocab_size)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
             if request.start == 0 and not request.new_tokens:
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")

@@ -2,7 +2,7 @@
 `/v1/completions` and `/v1/chat/completions`, streamed (server-sent events) or not. It
 is a second door to the same generation as gRPC `Generate`: the same validation, limits,
 metrics and exactness. Errors come in OpenAI's shape. Beyond OpenAI's fields, a request
-may carry `top_k` and `specdec: {"num_speculative_tokens": K}`; every response carries
+may carry `top_k`, `repetition_penalty` (vLLM's) and `specdec: {"num_speculative_tokens": K}`; every response carries
 `specdec`: the request's speculation statistics."""
 
 import asyncio
@@ -37,17 +37,17 @@ STATUS = {  # gRPC code -> (HTTP status, OpenAI error type)
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CONSTRAINT: "stop"}
 
 # Every field of OpenAI's chat and completions requests is honoured or refused, never
-# ignored. Honoured: these (top_k and specdec are ours; user, safety_identifier and
+# ignored. Honoured: these (top_k, repetition_penalty and specdec are ours; user, safety_identifier and
 # prompt_cache_key are labels and hints, which change no output).
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "user", "n", "response_format", "top_k", "specdec",
             "safety_identifier", "prompt_cache_key", "parallel_tool_calls", "logprobs", "top_logprobs", "tools",
-            "tool_choice"}
+            "tool_choice", "frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty"}
 # Refused unless they ask for what the server does anyway (the values listed; absent or
 # null always passes).
 AS_DEFAULT = {"best_of": (1,), "echo": (False,), "suffix": ("",),
               "functions": ([],), "function_call": ("none", "auto"),
-              "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "metadata": ({},),
+              "metadata": ({},),
               "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
               "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
               "prompt_cache_retention": (), "prompt_cache_options": ()}
@@ -172,6 +172,17 @@ class OpenAIFront:
         top_k = _field(body, "top_k", int)
         if top_k is not None:
             request.top_k = top_k
+        for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+            value = _field(body, name, (int, float))
+            if value is not None:
+                setattr(request, name, float(value))
+        bias = _field(body, "logit_bias", dict, {})
+        for token, value in bias.items():
+            if not (isinstance(token, str) and token.isdigit() and len(token) <= 9) or isinstance(value, bool) \
+                    or not isinstance(value, (int, float)):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "logit_bias: maps token ids (as strings) to numbers",
+                              "logit_bias")
+            request.logit_bias[int(token)] = float(value)
         seed = _field(body, "seed", int)
         if seed is not None:
             if seed < 0:

@@ -139,7 +139,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
                                           f"{MAX_STOP_LENGTH} characters")
         seed = r.seed if r.HasField("seed") else random.getrandbits(63)
-        params = common_pb2.SamplingParams(temperature=temperature, top_k=r.top_k, top_p=top_p, seed=seed)
+        params = common_pb2.SamplingParams(
+            temperature=temperature, top_k=r.top_k, top_p=top_p, seed=seed, logit_bias=r.logit_bias,
+            frequency_penalty=r.frequency_penalty, presence_penalty=r.presence_penalty,
+            repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
+            output_start=len(prompt))
+        if r.HasField("repetition_penalty") and not r.repetition_penalty > 0:
+            raise InvalidArgument("repetition_penalty", f"must be in (0, 100], got {r.repetition_penalty}")
+        sampling.check_penalties(params, vocab_size=self.info.vocab_size)
         guide = self.vocab.guide(r.constraint, len(prompt)) if r.constraint.WhichOneof("kind") else None
         if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS or (r.top_logprobs and not r.logprobs):
             raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], with logprobs set; "

@@ -37,13 +37,99 @@ def check_temperature(field: str, t: float) -> None:
         raise InvalidArgument(field, f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t}")
 
 
-def validate(params: common_pb2.SamplingParams, field: str = "sampling") -> None:
+def validate(params: common_pb2.SamplingParams, field: str = "sampling", vocab_size: int = 0) -> None:
     p = params.top_p
     check_temperature(f"{field}.temperature", params.temperature)
     if math.isnan(p) or not 0.0 < p <= 1.0:
         raise InvalidArgument(f"{field}.top_p", f"must be in (0, 1], got {p}")
     if params.top_k < 0:
         raise InvalidArgument(f"{field}.top_k", f"must be >= 0, got {params.top_k}")
+    check_penalties(params, f"{field}.", vocab_size)
+    if params.output_start < 0:
+        raise InvalidArgument(f"{field}.output_start", f"must be >= 0, got {params.output_start}")
+
+
+# OpenAI's bounds (vLLM's too); a bias of +-100 already bans or forces a token.
+MAX_PENALTY = 2.0
+MAX_BIAS = 100.0
+MAX_BIASED_TOKENS = 1024
+
+
+def check_penalties(params: common_pb2.SamplingParams, prefix: str = "", vocab_size: int = 0) -> None:
+    """INVALID_ARGUMENT naming the field (`prefix` + its name) unless the penalties and
+    biases are in range; token ids are checked against `vocab_size` where it is known."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(params, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+            raise InvalidArgument(prefix + name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    r = params.repetition_penalty
+    if not (r == 0 or 0 < r <= 100):
+        raise InvalidArgument(prefix + "repetition_penalty", f"must be in (0, 100] (1 or 0: none), got {r}")
+    bias = params.logit_bias
+    if len(bias) > MAX_BIASED_TOKENS:
+        raise InvalidArgument(prefix + "logit_bias", f"at most {MAX_BIASED_TOKENS} tokens, got {len(bias)}")
+    for token, value in bias.items():
+        if token < 0 or (vocab_size and token >= vocab_size):
+            raise InvalidArgument(prefix + "logit_bias", f"token {token} is not in the vocabulary [0, {vocab_size})")
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            raise InvalidArgument(prefix + "logit_bias", f"token {token}: the bias must be in [-{MAX_BIAS:g}, "
+                                                         f"{MAX_BIAS:g}], got {value}")
+
+
+def penalized(params: common_pb2.SamplingParams) -> bool:
+    return bool(params.logit_bias) or params.repetition_penalty not in (0.0, 1.0) \
+        or params.frequency_penalty != 0 or params.presence_penalty != 0
+
+
+def penalize(logits: torch.Tensor, params: common_pb2.SamplingParams, history: list[int],
+             drafts: list[int] = (), columns: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits after the request's bias and penalties (SamplingParams says which and
+    in what order). logits: [len(drafts) + 1, width], after `history` (prompt and output
+    so far) and after each draft in turn: row i counts history + drafts[:i], as the target
+    alone would count them at that position. `columns`: the token id of each logit where
+    they are not the whole vocabulary in order (a draft's cut head)."""
+    if not penalized(params):
+        return logits
+    repetition = params.repetition_penalty not in (0.0, 1.0)
+    frequency = params.frequency_penalty != 0 or params.presence_penalty != 0
+    # Only the tokens of the history, the drafts and the bias change: computed on those
+    # tokens alone (a few hundred, not the vocabulary), element by element, so a row
+    # gets the same bits in a pass of any number of rows.
+    counted = history if repetition else history[params.output_start:]
+    output_from = params.output_start if repetition else 0  # in `counted`
+    bias = list(params.logit_bias.items())
+    ids, where = torch.tensor(counted + list(drafts) + [t for t, _ in bias], dtype=torch.long).unique(
+        return_inverse=True)
+    size, n = len(ids), len(counted)
+    before = torch.zeros(len(drafts) + 1, size)  # the drafts before each row: row i holds drafts[:i]
+    for i, token in enumerate(where[n:n + len(drafts)].tolist()):
+        before[i + 1:, token] += 1
+    at = ids if columns is None else _columns_of(ids, columns)
+    keep = at >= 0  # tokens a cut head has
+    at = at.clamp(min=0).to(logits.device)
+    values = logits[:, at].float()
+    if bias:
+        add = torch.zeros(size)
+        add[where[n + len(drafts):]] = torch.tensor([v for _, v in bias])
+        values = values + add.to(logits.device)
+    if repetition:
+        r = params.repetition_penalty
+        seen = (torch.bincount(where[:n], minlength=size)[None] + before > 0).to(logits.device)
+        values = torch.where(seen, torch.where(values > 0, values / r, values * r), values)
+    if frequency:
+        counts = (torch.bincount(where[output_from:n], minlength=size)[None] + before).to(logits.device)
+        values = values - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    logits = logits.float().clone()
+    keep = keep.to(logits.device)
+    logits[:, at[keep]] = values[:, keep]
+    return logits
+
+
+def _columns_of(ids: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The column of each token id among `columns` (-1 where it has none)."""
+    where = torch.full((1 + max(int(columns.max()), int(ids.max())),), -1, dtype=torch.long)
+    where[columns.cpu()] = torch.arange(len(columns))
+    return where[ids]
 
 
 def probs(logits: torch.Tensor, params: common_pb2.SamplingParams) -> torch.Tensor:

@@ -117,7 +117,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             self.check_ready()
             if len(request.draft_tokens) > MAX_DRAFT_TOKENS:
                 raise InvalidArgument("draft_tokens", f"at most {MAX_DRAFT_TOKENS}, got {len(request.draft_tokens)}")
-            sampling.validate(request.sampling)
+            sampling.validate(request.sampling, vocab_size=self.info.vocab_size)
             check_top_logprobs(request.top_logprobs)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
             check_token_ids("draft_tokens", request.draft_tokens, self.info.vocab_size)
@@ -147,7 +147,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                 raise InvalidArgument("max_tokens", f"must be in [1, {MAX_DECODE_TOKENS}], got {request.max_tokens}")
             if len(request.stop_token_ids) > MAX_STOP_TOKENS:
                 raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_TOKENS}, got {len(request.stop_token_ids)}")
-            sampling.validate(request.sampling)
+            sampling.validate(request.sampling, vocab_size=self.info.vocab_size)
             check_top_logprobs(request.top_logprobs)
             check_lookup_rule(request)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)

@@ -81,6 +81,10 @@ def Verify(session_id="bad-input", start=0, new_tokens=(1, 2), **kw):
     (grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature", Verify(
         sampling=common_pb2.SamplingParams(temperature=1e-38, top_p=1.0))),
     (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p", Verify(sampling=common_pb2.SamplingParams(top_p=0.0))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.logit_bias", Verify(
+        sampling=common_pb2.SamplingParams(top_p=1.0, logit_bias={VOCAB: 1.0}))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.output_start", Verify(
+        sampling=common_pb2.SamplingParams(top_p=1.0, output_start=-3))),
 ])
 def test_verifier_names_the_field(tiny_cluster, code, field, message):
     stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])
@@ -103,6 +107,8 @@ def Decode(session_id="bad-input", start=0, new_tokens=(1, 2), max_tokens=4, **k
     (grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids", Decode(stop_token_ids=list(range(65)))),
     (grpc.StatusCode.INVALID_ARGUMENT, "new_tokens", Decode(new_tokens=[1] * 9000)),  # past the model's limit
     (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p", Decode(sampling=common_pb2.SamplingParams(top_p=2.0))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.repetition_penalty", Decode(
+        sampling=common_pb2.SamplingParams(top_p=1.0, repetition_penalty=-2.0))),
     (grpc.StatusCode.INVALID_ARGUMENT, "draft_lookup.max_match",
      Decode(draft_lookup=verifier_pb2.LookupRule(min_match=1, max_match=65, max_drafts=4))),
     (grpc.StatusCode.INVALID_ARGUMENT, "draft_lookup.min_match",
@@ -134,6 +140,8 @@ def Propose(session_id="bad-input", start=0, new_tokens=(1, 2), k=2, **kw):
         sampling=common_pb2.SamplingParams(top_k=-1, top_p=1.0))),
     (grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature", Propose(
         sampling=common_pb2.SamplingParams(temperature=1e-38, top_p=1.0))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.frequency_penalty", Propose(
+        sampling=common_pb2.SamplingParams(top_p=1.0, frequency_penalty=-7.0))),
 ])
 def test_drafter_names_the_field(tiny_cluster, code, field, message):
     stub = tiny_cluster.drafter_stub(tiny_cluster.roles["model-drafter"])

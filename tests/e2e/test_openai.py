@@ -277,3 +277,26 @@ def test_n_choices_are_independent_samples_a_seed_reproduces(api):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**{**ask, "stream": True})
     assert err.value.body["param"] == "n"
+
+
+def test_penalties_and_logit_bias_are_generates(api):
+    """OpenAI's frequency and presence penalties and logit_bias, and vLLM's
+    repetition_penalty: the same output as Generate with them (test_penalties checks that
+    one against transformers); out of range, a 400 naming the field."""
+    cluster, o, client, _ = api
+    prompt = "Shopping list: eggs, milk, bread, eggs, milk,"
+    penalties = dict(frequency_penalty=0.8, presence_penalty=0.5, logit_bias={28: -100.0})
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                    logit_bias={str(t): v for t, v in penalties["logit_bias"].items()},
+                                    frequency_penalty=0.8, presence_penalty=0.5,
+                                    extra_body={"repetition_penalty": 1.2})
+    result = grpc_generate(cluster, o, text=prompt, max_new_tokens=24, repetition_penalty=1.2, **penalties)
+    plain = grpc_generate(cluster, o, text=prompt, max_new_tokens=24)
+    assert out.choices[0].text == result.text != plain.text
+    for fields, param in ((dict(frequency_penalty=3), "frequency_penalty"),
+                          (dict(extra_body={"repetition_penalty": -1}), "repetition_penalty"),
+                          (dict(logit_bias={"5": 200}), "logit_bias"), (dict(logit_bias={"five": 1}), "logit_bias"),
+                          (dict(logit_bias={"99999999999": 1}), "logit_bias")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **fields)
+        assert err.value.body["param"] == param, (fields, err.value.body)

@@ -43,13 +43,19 @@ def micro_cluster(micro_pair, micro_head):
 
 def exact_outcomes(model, params: common_pb2.SamplingParams, depth: int) -> dict[tuple, float]:
     """P(output) under the target alone, for every output of at most `depth` tokens
-    (shorter only when it ends with EOS) that the sampling rules allow."""
+    (shorter only when it ends with EOS) that the sampling rules allow; the bias and
+    OpenAI's penalties applied as defined (each output token's count times the frequency
+    penalty, and the presence penalty, off its logit)."""
     outcomes = {}
 
     def walk(prefix: tuple, prob: float):
         with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + list(prefix)], device=model.device)).logits[0, -1]
-            p = sampling.probs(logits, params).double()
+            logits = model(torch.tensor([PROMPT + list(prefix)], device=model.device)).logits[0, -1].float()
+        for token, bias in params.logit_bias.items():
+            logits[token] += bias
+        for token in set(prefix):
+            logits[token] -= params.frequency_penalty * prefix.count(token) + params.presence_penalty
+        p = sampling.probs(logits, params).double()
         for token in torch.nonzero(p).flatten().tolist():
             out = prefix + (token,)
             if token == EOS or len(out) == depth:
@@ -61,14 +67,18 @@ def exact_outcomes(model, params: common_pb2.SamplingParams, depth: int) -> dict
     return outcomes
 
 
-def check_distribution(stub, model, params: common_pb2.SamplingParams, depth: int, k: int):
+def check_distribution(stub, model, params: common_pb2.SamplingParams, depth: int, k: int,
+                       wrong: dict[tuple, float] | None = None):
     """Samples SAMPLES outputs of `depth` tokens and checks them against the target's own
-    distribution (chi-square); returns the requests' stats."""
+    distribution (chi-square), and, if given, that the same test rejects a `wrong` one;
+    returns the requests' stats."""
     exact = exact_outcomes(model, params, depth)
 
     def one(seed):
         _, result = generate(stub, token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=depth, num_speculative_tokens=k,
-                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
+                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                             logit_bias=dict(params.logit_bias))
         return tuple(result.token_ids), result.stats
 
     with ThreadPoolExecutor(8) as pool:
@@ -85,16 +95,22 @@ def check_distribution(stub, model, params: common_pb2.SamplingParams, depth: in
     # Eight requests at a time: the verifier ran their rounds in shared passes.
     assert max(s.mean_batch_rows for _, s in results) > 1.5
 
+    assert chi_square_p(counts, exact) > 1e-3
+    if wrong is not None:
+        assert chi_square_p(counts, wrong) < 1e-3
+    return [s for _, s in results]
+
+
+def chi_square_p(counts: dict[tuple, int], outcomes: dict[tuple, float]) -> float:
     # Pool the cells too rare for the chi-square approximation.
-    expected = np.array(list(exact.values())) * SAMPLES
-    observed = np.array([counts[o] for o in exact])
+    expected = np.array(list(outcomes.values())) * SAMPLES
+    observed = np.array([counts.get(o, 0) for o in outcomes])
     rare, keep = expected < 5, expected >= 5
     if rare.any():
         observed = np.append(observed[keep], observed[rare].sum())
         expected = np.append(expected[keep], expected[rare].sum())
     expected *= observed.sum() / expected.sum()  # float rounding only
-    assert stats.chisquare(observed, expected).pvalue > 1e-3
-    return [s for _, s in results]
+    return stats.chisquare(observed, expected).pvalue
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 5, 0.9)])
@@ -102,6 +118,17 @@ def test_distribution_matches_target(micro_cluster, micro_pair, temperature, top
     params = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     check_distribution(micro_cluster.orchestrator_stub(micro_cluster.roles["plain"]), micro_pair[2], params,
                        depth=2, k=2)
+
+
+def test_penalties_keep_the_penalised_distribution(micro_cluster, micro_pair):
+    """Frequency and presence penalties and a bias, at K = 2 over three tokens: a verified
+    position counts the drafts before it, so the joint of the three follows the target's
+    penalised distribution; the same samples reject the distribution without penalties."""
+    params = common_pb2.SamplingParams(temperature=1.0, top_p=1.0, frequency_penalty=0.7, presence_penalty=1.0,
+                                       logit_bias={5: 1.5})
+    plain = exact_outcomes(micro_pair[2], common_pb2.SamplingParams(temperature=1.0, top_p=1.0), depth=3)
+    check_distribution(micro_cluster.orchestrator_stub(micro_cluster.roles["plain"]), micro_pair[2], params,
+                       depth=3, k=2, wrong=plain)
 
 
 def test_overlap_distribution_matches_target(micro_cluster, micro_pair):

@@ -24,25 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especdec/common/v1/common.proto\x12\x11specdec.common.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"s\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x12\x0e\n\x04gbnf\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa9\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_positions\x18\x05 \x01(\x05\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x18\n\x10lookup_min_match\x18\x07 \x01(\x05\x12\x18\n\x10lookup_max_match\x18\x08 \x01(\x05\x12\x10\n\x08numerics\x18\t \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\n \x03(\x05\x12\x16\n\x0e\x66\x65\x61ture_window\x18\x0b \x01(\x05\x12\x13\n\x0bhidden_size\x18\x0c \x01(\x05\x12\x12\n\nnum_layers\x18\r \x01(\x05\"D\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"G\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\x14\n\x0cidle_seconds\x18\x03 \x01(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especdec/common/v1/common.proto\x12\x11specdec.common.v1\"\xb0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x44\n\nlogit_bias\x18\x05 \x03(\x0b\x32\x30.specdec.common.v1.SamplingParams.LogitBiasEntry\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x14\n\x0coutput_start\x18\t \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"s\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x12\x0e\n\x04gbnf\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa9\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_positions\x18\x05 \x01(\x05\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x18\n\x10lookup_min_match\x18\x07 \x01(\x05\x12\x18\n\x10lookup_max_match\x18\x08 \x01(\x05\x12\x10\n\x08numerics\x18\t \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\n \x03(\x05\x12\x16\n\x0e\x66\x65\x61ture_window\x18\x0b \x01(\x05\x12\x13\n\x0bhidden_size\x18\x0c \x01(\x05\x12\x12\n\nnum_layers\x18\r \x01(\x05\"D\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"G\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\x14\n\x0cidle_seconds\x18\x03 \x01(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS']._serialized_start=53
-  _globals['_SAMPLINGPARAMS']._serialized_end=134
-  _globals['_CONSTRAINT']._serialized_start=136
-  _globals['_CONSTRAINT']._serialized_end=251
-  _globals['_TOKENLOGPROBS']._serialized_start=253
-  _globals['_TOKENLOGPROBS']._serialized_end=348
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=350
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=404
-  _globals['_MODELINFO']._serialized_start=407
-  _globals['_MODELINFO']._serialized_end=704
-  _globals['_FEATURES']._serialized_start=706
-  _globals['_FEATURES']._serialized_end=774
-  _globals['_SESSIONINFO']._serialized_start=776
-  _globals['_SESSIONINFO']._serialized_end=847
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SAMPLINGPARAMS']._serialized_start=54
+  _globals['_SAMPLINGPARAMS']._serialized_end=358
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=310
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=358
+  _globals['_CONSTRAINT']._serialized_start=360
+  _globals['_CONSTRAINT']._serialized_end=475
+  _globals['_TOKENLOGPROBS']._serialized_start=477
+  _globals['_TOKENLOGPROBS']._serialized_end=572
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=574
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=628
+  _globals['_MODELINFO']._serialized_start=631
+  _globals['_MODELINFO']._serialized_end=928
+  _globals['_FEATURES']._serialized_start=930
+  _globals['_FEATURES']._serialized_end=998
+  _globals['_SESSIONINFO']._serialized_start=1000
+  _globals['_SESSIONINFO']._serialized_end=1071
 # @@protoc_insertion_point(module_scope)
