@@ -8,6 +8,7 @@ import hashlib
 import math
 import struct
 
+import numpy
 import torch
 
 from specdec.common.v1 import common_pb2
@@ -92,32 +93,33 @@ def penalize(logits: torch.Tensor, params: common_pb2.SamplingParams, history: l
         return logits
     repetition = params.repetition_penalty not in (0.0, 1.0)
     frequency = params.frequency_penalty != 0 or params.presence_penalty != 0
-    # Only the tokens of the history, the drafts and the bias change: computed on those
-    # tokens alone (a few hundred, not the vocabulary), element by element, so a row
-    # gets the same bits in a pass of any number of rows.
+    # Changed only at the tokens of the history, the drafts and the bias (a few hundred
+    # columns, not the vocabulary), element by element: a row gets the same bits in a
+    # pass of any number of rows.
     counted = history if repetition else history[params.output_start:]
-    output_from = params.output_start if repetition else 0  # in `counted`
-    bias = list(params.logit_bias.items())
-    ids, where = torch.tensor(counted + list(drafts) + [t for t, _ in bias], dtype=torch.long).unique(
-        return_inverse=True)
-    size, n = len(ids), len(counted)
-    before = torch.zeros(len(drafts) + 1, size)  # the drafts before each row: row i holds drafts[:i]
-    for i, token in enumerate(where[n:n + len(drafts)].tolist()):
-        before[i + 1:, token] += 1
+    output_from = params.output_start if repetition else 0  # where the output starts in `counted`
+    n, k, bias = len(counted), len(drafts), list(params.logit_bias.items())
+    ids, where = numpy.unique(numpy.array(counted + list(drafts) + [t for t, _ in bias], dtype=numpy.int64),
+                              return_inverse=True)
+    ids, where = torch.from_numpy(ids), torch.from_numpy(where.reshape(-1))
+    before = torch.zeros(k + 1, len(ids))  # the drafts before each row: row i holds drafts[:i]
+    if k:
+        rows, cols = zip(*((row, j) for i, j in enumerate(where[n:n + k].tolist()) for row in range(i + 1, k + 1)))
+        before.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.ones(len(rows)), accumulate=True)
     at = ids if columns is None else _columns_of(ids, columns)
     keep = at >= 0  # tokens a cut head has
     at = at.clamp(min=0).to(logits.device)
     values = logits[:, at].float()
     if bias:
-        add = torch.zeros(size)
-        add[where[n + len(drafts):]] = torch.tensor([v for _, v in bias])
+        add = torch.zeros(len(ids))
+        add[where[n + k:]] = torch.tensor([v for _, v in bias])
         values = values + add.to(logits.device)
     if repetition:
         r = params.repetition_penalty
-        seen = (torch.bincount(where[:n], minlength=size)[None] + before > 0).to(logits.device)
+        seen = (torch.bincount(where[:n], minlength=len(ids))[None] + before > 0).to(logits.device)
         values = torch.where(seen, torch.where(values > 0, values / r, values * r), values)
     if frequency:
-        counts = (torch.bincount(where[output_from:n], minlength=size)[None] + before).to(logits.device)
+        counts = (torch.bincount(where[output_from:n], minlength=len(ids))[None] + before).to(logits.device)
         values = values - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     logits = logits.float().clone()
     keep = keep.to(logits.device)

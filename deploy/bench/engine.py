@@ -17,6 +17,9 @@
 5. With --stall: a 4000-token prompt arriving while 4 streams run through `specdec up`,
    with chunked prefill (256-token passes) and in one pass: how long the running
    streams stall.
+6. Penalties: what a request's bias and penalties add to a pass of 1 and 5 tokens after
+   300 and 4,000 tokens of history (all four at once; the frequency penalty alone),
+   against the 1-token pass (median of 50 each).
 Prints each line as it is measured; writes engine.json and engine.md to --out."""
 
 import argparse
@@ -95,6 +98,42 @@ def invariance(eng: Engine, seqs, trials: int = 5) -> str:
     rows = trials * len(seqs)
     return (f"batch invariance: {differ} of {rows} rows differ at all between alone and {len(seqs)}-row passes; "
             f"max |logit difference| {worst:.2e}; argmax flips {flips} of {rows * 4} positions")
+
+
+def penalty_costs(eng: Engine, seq) -> list[str]:
+    from specdec import sampling
+    from specdec.common.v1 import common_pb2
+
+    def median_of(work, reps: int = 50) -> float:
+        out = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            work()
+            out.append(time.perf_counter() - started)
+        return statistics.median(out)
+
+    length = len(seq.tokens)
+
+    def step():
+        seq.extend([101])
+        eng.forward_now(seq, 1)
+        seq.sync(length, [])
+
+    one = median_of(step, 21)
+    logits = torch.randn(5, eng.model.config.vocab_size)
+    lines = []
+    for name, fields in (("all four", dict(logit_bias={314: 3.0, 2: -100.0}, repetition_penalty=1.1,
+                                           frequency_penalty=0.5, presence_penalty=0.5)),
+                         ("frequency alone", dict(frequency_penalty=0.5))):
+        for history in (300, 4000):
+            params = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, output_start=history - 100, **fields)
+            tokens = [(7 * j) % 20000 + 100 for j in range(history)]
+            costs = [median_of(lambda: sampling.penalize(logits[:n], params, tokens, tokens[-(n - 1):][:n - 1]))
+                     for n in (1, 5)]
+            lines.append(f"penalties ({name}), {history} tokens of history: {costs[0] * 1e3:.3f} ms on a 1-token "
+                         f"pass, {costs[1] * 1e3:.3f} ms on a 5-token one; the 1-token pass {one * 1e3:.2f} ms "
+                         f"({costs[0] / one:.1%}, {costs[1] / one:.1%})")
+    return lines
 
 
 def steady_step(eng: Engine, seq) -> float:
@@ -239,6 +278,8 @@ def main_with(args) -> int:
             say(line)
     say(invariance(eng, seqs))
     say(second_turn(eng, modeling.load_tokenizer(args.target)))
+    for line in penalty_costs(eng, seqs[0]):
+        say(line)
     if args.llama_cpp:
         if modeling.gguf_file(args.target) is None:
             raise SystemExit("--llama-cpp needs a GGUF target")
