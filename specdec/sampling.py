@@ -1,7 +1,8 @@
 """Token distributions after sampling processing, and reproducible random draws.
 
-Drafter and verifier both call `probs`, so the draft distribution q and the target
-distribution p get the same temperature / top-k / top-p processing.
+Drafter and verifier both call `penalize` and `probs`, so the draft distribution q and
+the target distribution p get the same bias, penalties and temperature / top-k / top-p
+processing.
 """
 
 import hashlib

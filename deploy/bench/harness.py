@@ -194,10 +194,10 @@ class Stream:
 
 
 def request(ids: list[int] | None = None, text: str | None = None, chat: str | None = None,
-            max_new_tokens: int = 64, k: int | None = None) -> pb.GenerateRequest:
+            max_new_tokens: int = 64, k: int | None = None, **fields) -> pb.GenerateRequest:
     """A greedy request from token ids, plain text or one user message; k None: the
-    deployment's choice of K."""
-    r = pb.GenerateRequest(max_new_tokens=max_new_tokens)
+    deployment's choice of K; `fields`: more of GenerateRequest's (penalties, ...)."""
+    r = pb.GenerateRequest(max_new_tokens=max_new_tokens, **fields)
     if ids is not None:
         r.token_ids.ids.extend(ids)
     elif text is not None:
@@ -240,6 +240,30 @@ async def stream_async(stub, req: pb.GenerateRequest, out: Stream, t0: float, ti
 
 
 # --- llama.cpp ---------------------------------------------------------------------------
+
+
+def penalties_processor(prompt_length: int, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                        repetition_penalty: float = 1.0, logit_bias: dict | None = None):
+    """The target alone's penalties for transformers' `generate`, by their definitions
+    (a LogitsProcessor): the bias, transformers' own repetition penalty over prompt and
+    output, OpenAI's frequency and presence penalties over the output."""
+    from transformers import LogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    class Penalised(LogitsProcessor):
+        def __init__(self):
+            self.repetition = RepetitionPenaltyLogitsProcessor(repetition_penalty)
+
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            for token, value in (logit_bias or {}).items():
+                scores[:, token] += value
+            scores = self.repetition(input_ids, scores)
+            output = input_ids[0, prompt_length:].tolist()
+            for token in set(output):
+                scores[:, token] -= frequency_penalty * output.count(token) + presence_penalty
+            return scores
+
+    return Penalised()
 
 
 def gguf_of(target: str) -> str:

@@ -26,7 +26,9 @@ Per cell: aggregate committed tokens/s (every token streamed inside the window, 
 the window), time to first token and inter-token latency (p50, p99), acceptance, mean
 rows per verifier pass, failed requests by status code (a request the window cut is
 not a failure), and how many outputs (or, for a cut request, its prefix) equal the
-target's own greedy output (transformers `generate`, in this process). Writes
+target's own greedy output (transformers `generate`, in this process). With
+--frequency-penalty / --presence-penalty every request carries them, and the reference
+applies them by their definitions. Writes
 load.json, load.md and load.png (throughput and p99 inter-token latency against
 concurrency) to --out."""
 
@@ -65,9 +67,11 @@ class Request(harness.Stream):
         return self.started + self.seconds
 
 
-async def one_request(stub, req: Request, ids: list[int], max_new_tokens: int, k: int | None, t0: float) -> None:
+async def one_request(stub, req: Request, ids: list[int], max_new_tokens: int, k: int | None, t0: float,
+                      penalties: dict) -> None:
     try:
-        await harness.stream_async(stub, harness.request(ids, max_new_tokens=max_new_tokens, k=k), req, t0)
+        await harness.stream_async(stub, harness.request(ids, max_new_tokens=max_new_tokens, k=k, **penalties),
+                                   req, t0)
         req.complete = req.result is not None
     except grpc.aio.AioRpcError as err:
         req.error = err.code().name
@@ -98,7 +102,7 @@ async def llama_request(session, url: str, req: Request, ids: list[int], max_new
 
 
 async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tokens: int, k: int | None,
-               duration_s: float, start: int = 0) -> list[Request]:
+               duration_s: float, start: int = 0, penalties: dict | None = None) -> list[Request]:
     """`streams` closed loops for `duration_s`, sending the prompts from `start` on; the
     requests still running then are cancelled."""
     async with contextlib.AsyncExitStack() as stack:
@@ -116,7 +120,7 @@ async def cell(address: str, prompts: list[list[int]], streams: int, max_new_tok
                 await stack.enter_async_context(grpc.aio.insecure_channel(address)))
 
             def send(req, ids, t0):
-                return one_request(stub, req, ids, max_new_tokens, k, t0)
+                return one_request(stub, req, ids, max_new_tokens, k, t0, penalties or {})
         requests: list[Request] = []
         t0 = time.perf_counter()
 
@@ -233,10 +237,11 @@ def chart(cells: dict, path: Path) -> None:
 
 
 def reference_outputs(target: str, dtype: str, device: str, numerics: str, prompts: list[list[int]],
-                      which: list[int], max_new_tokens: int):
-    """The target's own greedy output (transformers `generate`) per prompt, for the
-    prompts at `which`."""
+                      which: list[int], max_new_tokens: int, penalties: dict | None = None):
+    """The target's own greedy output (transformers `generate`, with the run's penalties)
+    per prompt, for the prompts at `which`."""
     import torch
+    from transformers import LogitsProcessorList
 
     from specdec.quantize import quantize
 
@@ -247,7 +252,8 @@ def reference_outputs(target: str, dtype: str, device: str, numerics: str, promp
             ids = prompts[i]
             generated = model.generate(torch.tensor([ids], device=device), do_sample=False,
                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-                                       max_new_tokens=max_new_tokens)
+                                       max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList(
+                                           [harness.penalties_processor(len(ids), **penalties)] if penalties else []))
             out[i] = generated[0, len(ids):].tolist()
     return out
 
@@ -266,6 +272,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--reference-limit", type=int, default=None,
                         help="check the outputs of N of the prompts sent, spread over the run, against the target's own "
                              "generate (default: every one; the reference costs the target's whole generation again)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's (OpenAI's)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="every request's (OpenAI's)")
     parser.add_argument("--unseen", action="store_true",
                         help="no request is sent a prompt sent before in the run (see above)")
     return parser
@@ -287,6 +295,10 @@ def run(args) -> dict:
         off = ["--max-batch-rows", "1"]
         deployments["unbatched"] = harness.plan(args, args.num_drafters, verifier_flags=off, drafter_flags=off)
     ks = {"target": 0, "fixed": args.k, "adaptive": None, "unbatched": None, "llama.cpp": None}
+    penalties = {name: value for name, value in (("frequency_penalty", args.frequency_penalty),
+                                                 ("presence_penalty", args.presence_penalty)) if value}
+    if penalties and args.llama_cpp:
+        raise SystemExit("--llama-cpp: its requests carry no penalties here; run it without them")
     sent: dict[int, dict[str, list[Request]]] = {}
     start = 0  # where a cell's prompts start (--unseen: after every earlier cell's)
     with harness.running(*deployments.values(), log_dir=harness.log_dir(args)), (
@@ -302,19 +314,19 @@ def run(args) -> dict:
             sent[streams] = {}
             for v in variants:
                 sent[streams][v] = requests = asyncio.run(
-                    cell(address[v], prompts, streams, args.max_new_tokens, ks[v], args.duration, start))
+                    cell(address[v], prompts, streams, args.max_new_tokens, ks[v], args.duration, start, penalties))
                 log.info("%3d streams %-9s %d requests", streams, v, len(requests))
                 if args.unseen:
                     start = 1 + max(r.sent for r in requests)
     used = sorted({r.prompt for by_variant in sent.values() for requests in by_variant.values() for r in requests})
     reference = reference_outputs(args.target, args.dtype, args.device, args.quantize, prompts,
-                                  harness.spread(used, args.reference_limit), args.max_new_tokens)
+                                  harness.spread(used, args.reference_limit), args.max_new_tokens, penalties)
     alone = {v: {r.prompt: r.tokens for r in reversed(sent[levels[0]][v]) if r.complete} for v in variants}
     cells = {streams: {v: summarize(requests, args.duration, reference, alone[v]) for v, requests in by_variant.items()}
              for streams, by_variant in sent.items()}
     single = cells[levels[0]]["target"]["tokens_per_s"] / levels[0]  # per stream, at the lowest concurrency
     meta = {"target": args.target, "draft": args.draft, "num_drafters": args.num_drafters, "k": args.k,
-            "prompts": len(prompts), "unseen": args.unseen,
+            "prompts": len(prompts), "unseen": args.unseen, "penalties": penalties,
             "repeated": sum(r.sent >= len(prompts) for by_variant in sent.values() for requests in by_variant.values()
                             for r in requests),
             "max_new_tokens": args.max_new_tokens, "device": args.device,

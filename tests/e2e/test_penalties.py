@@ -6,9 +6,10 @@ the field. (Sampling with penalties: test_sampling's chi-square.)"""
 import grpc
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers import LogitsProcessorList
 
 from cluster import generate, pb
+from deploy.bench.harness import penalties_processor
 
 PROMPTS = ["Shopping list: eggs, milk, bread, eggs, milk,", "The tide comes in and"]
 MAX_NEW = 32
@@ -22,31 +23,10 @@ PENALTIES = {
 }
 
 
-class Penalised(LogitsProcessor):
-    """The penalties by their definitions: the bias, transformers' own repetition penalty
-    over prompt and output, OpenAI's frequency and presence penalties over the output."""
-
-    def __init__(self, prompt_length: int, frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
-                 logit_bias=None):
-        self.start, self.frequency, self.presence = prompt_length, frequency_penalty, presence_penalty
-        self.repetition = RepetitionPenaltyLogitsProcessor(repetition_penalty)
-        self.bias = logit_bias or {}
-
-    def __call__(self, input_ids, scores):
-        scores = scores.clone()
-        for token, value in self.bias.items():
-            scores[:, token] += value
-        scores = self.repetition(input_ids, scores)
-        output = input_ids[0, self.start:].tolist()
-        for token in set(output):
-            scores[:, token] -= self.frequency * output.count(token) + self.presence
-        return scores
-
-
 def penalised_reference(model, ids: list[int], max_new: int, **penalties) -> list[int]:
     out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new,
                          attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         logits_processor=LogitsProcessorList([Penalised(len(ids), **penalties)]),
+                         logits_processor=LogitsProcessorList([penalties_processor(len(ids), **penalties)]),
                          eos_token_id=2, pad_token_id=2)
     return out[0, len(ids):].tolist()
 
