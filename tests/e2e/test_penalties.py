@@ -94,3 +94,40 @@ def test_bad_penalties_are_refused_naming_the_field(tiny_cluster, fields, field)
         generate(stub, text="hello", max_new_tokens=4, **fields)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(field), err.value.details()
+
+
+@pytest.mark.parametrize("kind", ["model", "hybrid"])
+def test_penalties_under_a_constraint_match_the_target_alone(tiny_cluster, tiny_pair, smol_tokenizer, kind):
+    """The penalties, then the constraint's mask: greedy output token-identical to
+    transformers' generate with both, at K chosen per round and at 4 (forced tokens and
+    lookup matches drafted, penalised as any draft)."""
+    from e2e.test_constraints import Masked, REGEX
+    from specdec import grammar
+    from specdec.common.v1 import common_pb2
+
+    vocab = grammar.Vocabulary(smol_tokenizer, len(smol_tokenizer), [2])
+    constraint = common_pb2.Constraint(regex=REGEX)
+    penalties = dict(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={28: 3.0})
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles[kind])
+    changed = False
+    for prompt in PROMPTS:
+        ids = smol_tokenizer(prompt)["input_ids"]
+
+        def reference(**fields):
+            processors = [Masked(vocab.guide(constraint, len(ids)))]
+            if fields:
+                processors.insert(0, penalties_processor(len(ids), **fields))
+            out = tiny_pair[2].generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW,
+                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                        logits_processor=LogitsProcessorList(processors), eos_token_id=2,
+                                        pad_token_id=2)
+            return out[0, len(ids):].tolist()
+
+        want = reference(**penalties)
+        changed |= want != reference()
+        for k in (None, 4):
+            fields = {} if k is None else {"num_speculative_tokens": k}
+            _, result = generate(stub, token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW, constraint=constraint,
+                                 **penalties, **fields)
+            assert list(result.token_ids) == want, (prompt, k)
+    assert changed  # the penalties changed some constrained output
