@@ -5,11 +5,9 @@ metrics and exactness. Errors come in OpenAI's shape. Beyond OpenAI's fields, a 
 may carry `top_k`, `repetition_penalty` (vLLM's) and `specdec: {"num_speculative_tokens": K}`; every response carries
 `specdec`: the request's speculation statistics."""
 
-import asyncio
 import contextlib
 import json
 import logging
-import random
 import re
 import time
 import uuid
@@ -254,18 +252,20 @@ class OpenAIFront:
 
     async def _choices(self, generate: pb.GenerateRequest, n: int, chat: bool, tools: set[str] | None
                        ) -> web.Response:
-        """n independent samples, generated at once: choice i draws with seed + i (a random
-        seed where none is given), so a seed reproduces every choice."""
-        seed = generate.seed if generate.HasField("seed") else random.getrandbits(62)
+        """n independent samples, generated at once (GenerateRequest.n: choice i draws with
+        seed + i, a random seed where none is given, so a seed reproduces every choice)."""
+        generate.n = n
+        by_index: list[list[pb.GenerateResponse]] = [[] for _ in range(n)]
+        async with contextlib.aclosing(self.servicer.generate(generate, _Context())) as events:
+            async for event in events:
+                by_index[getattr(event, event.WhichOneof("event")).index].append(event)
 
-        async def one(i: int) -> tuple[dict, pb.Result]:
-            request = pb.GenerateRequest()
-            request.CopyFrom(generate)
-            request.seed = seed + i
-            async with contextlib.aclosing(self.servicer.generate(request, _Context())) as events:
-                return await self._choice(events, chat, generate.logprobs, tools, i)
+        async def replay(events):
+            for event in events:
+                yield event
 
-        answers = await asyncio.gather(*(one(i) for i in range(n)))
+        answers = [await self._choice(replay(events), chat, generate.logprobs, tools, i)
+                   for i, events in enumerate(by_index)]
         results = [result for _, result in answers]
         usage = {"prompt_tokens": results[0].usage.prompt_tokens,
                  "completion_tokens": sum(r.usage.completion_tokens for r in results)}

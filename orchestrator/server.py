@@ -39,6 +39,7 @@ MAX_STOP_LENGTH = 256  # characters; the text stream holds back up to this much
 PLACEMENT_WAIT_S = 20.0  # how long ScaleDrafters waits to tell placed replicas from pending ones
 MAX_REQUEST_ID = 128
 MAX_TOP_LOGPROBS = 20
+MAX_SAMPLES = 16  # GenerateRequest.n
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # tool: a function's result, as the chat template shows it
 
 
@@ -188,6 +189,49 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     # -- generation ----------------------------------------------------------------------
 
+    async def samples(self, request: pb.GenerateRequest, context):
+        """`request.n` independent generations of one request, their events interleaved as
+        they come, each marked with its sample's index: sample i draws with seed + i (a
+        random seed where the request has none), so a seed reproduces them all. Each is a
+        request of its own to admission and the services; a failed one ends them all."""
+        if not 1 <= request.n <= MAX_SAMPLES:
+            await abort(context, InvalidArgument("n", f"must be in [1, {MAX_SAMPLES}], got {request.n}"))
+        seed = request.seed if request.HasField("seed") else random.getrandbits(62)
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def one(i: int):
+            sample = pb.GenerateRequest()
+            sample.CopyFrom(request)
+            sample.ClearField("n")
+            sample.seed = seed + i
+            try:
+                async with contextlib.aclosing(self.generate(sample, context)) as stream:
+                    async for event in stream:
+                        getattr(event, event.WhichOneof("event")).index = i
+                        events.put_nowait(event)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:  # an abort, or a failure: it ends the call
+                events.put_nowait(err)
+            else:
+                events.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(request.n)]
+        try:
+            ended = 0
+            while ended < len(tasks):
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event is None:
+                    ended += 1
+                else:
+                    yield event
+        finally:  # a cancelled call, or a failed sample: the others stop and free what they hold
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def Generate(self, request: pb.GenerateRequest, context):
         # Closed here, in this call, wherever it stops: a cancelled stream stops at its yield,
         # and the request's sessions are released now, not when the generator is collected.
@@ -196,6 +240,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 yield event
 
     async def Complete(self, request: pb.GenerateRequest, context):
+        if request.HasField("n") and request.n != 1:
+            await abort(context, InvalidArgument("n", f"Complete returns one Result; got {request.n}: stream "
+                                                      "several samples through Generate"))
         result = None
         async with contextlib.aclosing(self.generate(request, context)) as events:
             async for event in events:
@@ -204,6 +251,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         return result
 
     async def generate(self, request: pb.GenerateRequest, context):
+        if request.HasField("n") and request.n != 1:
+            async with contextlib.aclosing(self.samples(request, context)) as events:
+                async for event in events:
+                    yield event
+            return
         try:
             if self.tokenizer is None:
                 raise Unavailable("still starting: waiting for the verifier")

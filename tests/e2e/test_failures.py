@@ -195,3 +195,24 @@ def test_verifier_loss_fails_the_request_and_releases_the_drafter_session(tiny_c
         stream.finish()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert released(tiny_cluster, session, d)
+
+
+def test_every_samples_sessions_released_after_client_cancel(tiny_cluster, long_case):
+    """A stream of n = 3 samples cancelled at its first chunk: the three requests end and
+    their sessions, on both services, are released."""
+    roles = tiny_cluster.roles
+    before = blocks_used(tiny_cluster, roles["model-drafter"], roles["verifier"])
+    stream = Stream(tiny_cluster.orchestrator_stub(roles["model"]), request_id="cancel-samples", n=3,
+                    token_ids=pb.TokenIds(ids=long_case[0]), max_new_tokens=LONG, num_speculative_tokens=4,
+                    temperature=1.0)
+    deadline = time.monotonic() + 30
+    while True:  # all three started
+        listing = tiny_cluster.admin_stub(roles["model"]).ListRequests(pb.ListRequestsRequest(), timeout=5)
+        sessions = [r.session_id for r in listing.requests if r.request_id == "cancel-samples"]
+        if len(sessions) == 3:
+            break
+        assert time.monotonic() < deadline, sessions
+        time.sleep(0.01)
+    stream.call.cancel()
+    assert all(released(tiny_cluster, session, roles["model-drafter"], roles["verifier"], blocks_before=before)
+               for session in sessions)

@@ -171,3 +171,30 @@ def test_seed_reproduces_output(micro_cluster, role):
     first = run(7, 3)
     assert run(7, 3) == first
     assert any(run(seed, 3) != first for seed in (8, 9, 10))
+
+
+def test_n_samples_in_one_stream_are_the_single_requests_with_seed_plus_i(micro_cluster):
+    """GenerateRequest.n: the samples arrive interleaved, each chunk and result marked with
+    its index, sample i the output of the same request with seed + i; Complete refuses n > 1."""
+    import grpc
+
+    stub = micro_cluster.orchestrator_stub(micro_cluster.roles["plain"])
+    fields = dict(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=6, temperature=1.0, num_speculative_tokens=2)
+    events = list(stub.Generate(pb.GenerateRequest(n=4, seed=40, **fields), timeout=60))
+    results = {e.result.index: e.result for e in events if e.HasField("result")}
+    assert sorted(results) == [0, 1, 2, 3]
+    for i, result in results.items():
+        chunks = [e.chunk for e in events if e.HasField("chunk") and e.chunk.index == i]
+        assert [t for c in chunks for t in c.token_ids] == list(result.token_ids)
+        _, alone = generate(stub, seed=40 + i, **fields)
+        assert list(result.token_ids) == list(alone.token_ids)
+    assert len({tuple(r.token_ids) for r in results.values()}) > 1  # four draws, not one copied
+    last_chunk = {e.chunk.index: n for n, e in enumerate(events) if e.HasField("chunk")}
+    assert all(last_chunk.get(e.result.index, -1) < n for n, e in enumerate(events) if e.HasField("result"))
+    for bad in (0, 17):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(n=bad, **fields), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("n")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Complete(pb.GenerateRequest(n=2, **fields), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("n")
