@@ -136,9 +136,8 @@ class OpenAIFront:
             raise Refused(grpc.StatusCode.NOT_FOUND, f"model: {model!r} is not served here; this server serves "
                                                      f"{self.model_name!r} (GET /v1/models)", "model")
         n = _field(body, "n", int, 1)
-        if not 1 <= n <= MAX_CHOICES or (n > 1 and body.get("stream")):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"n: in [1, {MAX_CHOICES}]; more than 1 only without "
-                                                            f"stream", "n")
+        if not 1 <= n <= MAX_CHOICES:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"n: in [1, {MAX_CHOICES}]", "n")
         for name, value in body.items():
             if name in HONOURED:
                 continue
@@ -245,10 +244,12 @@ class OpenAIFront:
         stream = bool(_field(body, "stream", bool, False))
         usage_in_stream = bool((_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
         n = _field(body, "n", int, 1)
-        if n > 1:
+        if n > 1 and not stream:
             return await self._choices(generate, n, chat, tools)
+        if n > 1:
+            generate.n = n  # the choices' chunks interleaved, each with its index
         async with contextlib.aclosing(self.servicer.generate(generate, _Context())) as events:
-            return await self._answer(request, events, chat, stream, usage_in_stream, generate.logprobs, tools)
+            return await self._answer(request, events, chat, stream, usage_in_stream, generate.logprobs, tools, n)
 
     async def _choices(self, generate: pb.GenerateRequest, n: int, chat: bool, tools: set[str] | None
                        ) -> web.Response:
@@ -319,8 +320,8 @@ class OpenAIFront:
                 "text_offset": offsets}
 
     async def _answer(self, request: web.Request, events, chat: bool, stream: bool,
-                      usage_in_stream: bool, asked: bool = False, tools: set[str] | None = None
-                      ) -> web.StreamResponse:
+                      usage_in_stream: bool, asked: bool = False, tools: set[str] | None = None,
+                      choices: int = 1) -> web.StreamResponse:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -335,8 +336,8 @@ class OpenAIFront:
         await response.prepare(request)
         kind += ".chunk" if chat else ""
 
-        async def send(delta: dict | None = None, finish=None, extra=None, logprobs=()):
-            choice = {"index": 0, "finish_reason": finish}
+        async def send(index: int, delta: dict | None = None, finish=None, extra=None, logprobs=()):
+            choice = {"index": index, "finish_reason": finish}
             if chat:
                 choice["delta"] = delta or {}
                 if asked:
@@ -349,35 +350,41 @@ class OpenAIFront:
             await response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
 
         if chat:
-            await send({"role": "assistant", "content": ""})
-        event, held, held_logprobs = first, [], []  # with tools, the answer is held: a call or text
+            for index in range(choices):
+                await send(index, {"role": "assistant", "content": ""})
+        # With tools, each choice's answer is held to its end: a call or text.
+        event, held, held_logprobs, results = first, [[] for _ in range(choices)], [[] for _ in range(choices)], []
         try:
             while True:
+                index = getattr(event, event.WhichOneof("event")).index
                 if event.HasField("chunk") and tools:
-                    held.append(event.chunk.text)
-                    held_logprobs.extend(event.chunk.logprobs)
+                    held[index].append(event.chunk.text)
+                    held_logprobs[index].extend(event.chunk.logprobs)
                 elif event.HasField("chunk"):
                     if event.chunk.text or (asked and event.chunk.logprobs):
-                        await send({"content": event.chunk.text}, logprobs=event.chunk.logprobs)
+                        await send(index, {"content": event.chunk.text}, logprobs=event.chunk.logprobs)
                 else:
                     result = event.result
+                    results.append(result)
                     finish = FINISH.get(result.finish_reason, "stop")
                     if tools:
-                        calls = _calls("".join(held), tools, result)
+                        calls = _calls("".join(held[index]), tools, result)
                         if calls:
                             finish = "tool_calls"
-                            await send({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
-                                       logprobs=held_logprobs)
+                            await send(index, {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
+                                       logprobs=held_logprobs[index])
                         else:
-                            await send({"content": "".join(held)}, logprobs=held_logprobs)
-                    await send({}, finish, {"specdec": _stats(result)})
-                    if usage_in_stream:
-                        await response.write(("data: " + json.dumps({
-                            "id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [],
-                            "usage": _usage(result)}) + "\n\n").encode())
+                            await send(index, {"content": "".join(held[index])}, logprobs=held_logprobs[index])
+                    await send(index, {}, finish, {"specdec": _stats(result)})
                 event = await events.__anext__()
         except StopAsyncIteration:
-            pass
+            if usage_in_stream and results:
+                usage = _usage(results[0])
+                usage["completion_tokens"] = sum(r.usage.completion_tokens for r in results)
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                await response.write(("data: " + json.dumps({
+                    "id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [],
+                    "usage": usage}) + "\n\n").encode())
         except Refused as err:  # after the stream began: an error event, as OpenAI's servers send
             status, kind_ = STATUS.get(err.code, (500, "api_error"))
             await response.write(("data: " + json.dumps({"error": {"message": err.message, "type": kind_,

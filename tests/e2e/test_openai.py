@@ -274,8 +274,19 @@ def test_n_choices_are_independent_samples_a_seed_reproduces(api):
     counts = [grpc_generate(cluster, o, chat=pb.Chat(messages=[pb.ChatMessage(**ask["messages"][0])]),
                             max_new_tokens=12, temperature=1.0, seed=21 + i).usage.completion_tokens for i in range(4)]
     assert first.usage.completion_tokens == sum(counts)  # summed over the choices
+    # Streamed: the choices' chunks interleaved, each with its index; the same texts.
+    streamed, finished, usage = {}, set(), None
+    for chunk in client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert [streamed[i] for i in range(4)] == texts and finished == {0, 1, 2, 3}
+    assert usage.completion_tokens == first.usage.completion_tokens
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(**{**ask, "stream": True})
+        client.chat.completions.create(**{**ask, "n": 17})
     assert err.value.body["param"] == "n"
 
 
