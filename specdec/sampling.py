@@ -130,6 +130,8 @@ def penalize(logits: torch.Tensor, params: common_pb2.SamplingParams, history: l
 
 def _columns_of(ids: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """The column of each token id among `columns` (-1 where it has none)."""
+    if not len(ids):
+        return ids
     where = torch.full((1 + max(int(columns.max()), int(ids.max())),), -1, dtype=torch.long)
     where[columns.cpu()] = torch.arange(len(columns))
     return where[ids]

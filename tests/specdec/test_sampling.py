@@ -92,6 +92,9 @@ def test_penalties_read_a_cut_head_at_its_token_ids():
     history, drafts = [5, 9, 12, 63, 5], [7, 40]
     want = sampling.penalize(full, params, history, drafts)[:, columns]
     torch.testing.assert_close(sampling.penalize(full[:, columns], params, history, drafts, columns), want)
+    # A request's first draft: no output yet, nothing to count.
+    first = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, frequency_penalty=0.5, output_start=5)
+    assert torch.equal(sampling.penalize(full[:1, columns], first, history, [], columns), full[:1, columns])
 
 
 def test_no_penalty_leaves_the_logits_as_they_are():
