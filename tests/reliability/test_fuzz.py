@@ -67,7 +67,12 @@ def _message(draw, descriptor: d.Descriptor, depth: int):
 
 
 def set_random(draw, message, field: d.FieldDescriptor, depth: int) -> None:
-    """Gives message.field a random value (a list of them when repeated)."""
+    """Gives message.field a random value (a list of them when repeated, a dict for a map)."""
+    if field.type == d.FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+        key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+        getattr(message, field.name).update(draw(st.dictionaries(field_values(key, depth), field_values(value, depth),
+                                                                 max_size=12)))
+        return
     values = field_values(field, depth)
     if field.is_repeated:
         getattr(message, field.name).extend(draw(st.lists(values, max_size=12)))
