@@ -83,15 +83,20 @@ def penalized(params: common_pb2.SamplingParams) -> bool:
         or params.frequency_penalty != 0 or params.presence_penalty != 0
 
 
-def penalize(logits: torch.Tensor, params: common_pb2.SamplingParams, history: list[int],
-             drafts: list[int] = (), columns: torch.Tensor | None = None) -> torch.Tensor:
+def penalize(logits: torch.Tensor, params: common_pb2.SamplingParams, tokens: list[int],
+             drafts_from: int | None = None, columns: torch.Tensor | None = None) -> torch.Tensor:
     """The logits after the request's bias and penalties (SamplingParams says which and
-    in what order). logits: [len(drafts) + 1, width], after `history` (prompt and output
-    so far) and after each draft in turn: row i counts history + drafts[:i], as the target
-    alone would count them at that position. `columns`: the token id of each logit where
-    they are not the whole vocabulary in order (a draft's cut head)."""
+    in what order). `tokens`: the history (prompt and output so far), then the pass's
+    drafts from `drafts_from` on (None: no drafts); logits: [drafts + 1, width], after the
+    history and after each draft in turn: row i counts the history and the first i drafts,
+    as the target alone would count them at that position. `columns`: the token id of each
+    logit where they are not the whole vocabulary in order (a draft's cut head)."""
     if not penalized(params):
-        return logits
+        return logits  # before any copy of the tokens: this is every pass's path
+    if drafts_from is None:
+        history, drafts = tokens, []
+    else:
+        history, drafts = tokens[:drafts_from], tokens[drafts_from:]
     repetition = params.repetition_penalty not in (0.0, 1.0)
     frequency = params.frequency_penalty != 0 or params.presence_penalty != 0
     # Changed only at the tokens of the history, the drafts and the bias (a few hundred

@@ -42,7 +42,7 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
         logits = logits[-(len(drafts) + 1):]
     else:
         logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
-    logits = sampling.penalize(logits, request.sampling, seq.tokens[:n], drafts)
+    logits = sampling.penalize(logits, request.sampling, seq.tokens, n)
     if masks is not None:
         logits = grammar.apply(logits, masks)
     accepted, token = judge(logits, drafts, list(request.draft_probs), request.sampling, n)
@@ -110,7 +110,7 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     def pick(logits: torch.Tensor) -> tuple[list[int], list[int], bool]:  # on the engine's thread
         nonlocal pending, by_lookup
         position = len(seq.tokens) - len(pending)  # of the pass's first pick
-        logits = sampling.penalize(logits, params, seq.tokens[:position], pending)
+        logits = sampling.penalize(logits, params, seq.tokens, position)
         if guide is not None:
             logits = grammar.apply(logits, guide.masks(pending))
         accepted, token = judge(logits, pending, [], params, position)

@@ -128,7 +128,8 @@ def penalty_costs(eng: Engine, seq) -> list[str]:
         for history in (300, 4000):
             params = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, output_start=history - 100, **fields)
             tokens = [(7 * j) % 20000 + 100 for j in range(history)]
-            costs = [median_of(lambda: sampling.penalize(logits[:n], params, tokens, tokens[-(n - 1):][:n - 1]))
+            with_drafts = {n: tokens + tokens[-(n - 1):][:n - 1] for n in (1, 5)}  # the history, then n - 1 drafts
+            costs = [median_of(lambda: sampling.penalize(logits[:n], params, with_drafts[n], len(tokens)))
                      for n in (1, 5)]
             lines.append(f"penalties ({name}), {history} tokens of history: {costs[0] * 1e3:.3f} ms on a 1-token "
                          f"pass, {costs[1] * 1e3:.3f} ms on a 5-token one; the 1-token pass {one * 1e3:.2f} ms "

@@ -205,14 +205,12 @@ def test_every_samples_sessions_released_after_client_cancel(tiny_cluster, long_
     stream = Stream(tiny_cluster.orchestrator_stub(roles["model"]), request_id="cancel-samples", n=3,
                     token_ids=pb.TokenIds(ids=long_case[0]), max_new_tokens=LONG, num_speculative_tokens=4,
                     temperature=1.0)
-    deadline = time.monotonic() + 30
-    while True:  # all three started
+    def all_three_started():
         listing = tiny_cluster.admin_stub(roles["model"]).ListRequests(pb.ListRequestsRequest(), timeout=5)
         sessions = [r.session_id for r in listing.requests if r.request_id == "cancel-samples"]
-        if len(sessions) == 3:
-            break
-        assert time.monotonic() < deadline, sessions
-        time.sleep(0.01)
+        return sessions if len(sessions) == 3 else None
+
+    sessions = eventually(all_three_started, timeout_s=30)
     stream.call.cancel()
     assert all(released(tiny_cluster, session, roles["model-drafter"], roles["verifier"], blocks_before=before)
                for session in sessions)

@@ -36,9 +36,9 @@ def test_penalties_on_the_device_are_the_hosts():
     logits = torch.randn(4, 300, device="cuda") * 3
     params = common_pb2.SamplingParams(temperature=1.0, top_p=1.0, logit_bias={7: 2.0}, repetition_penalty=1.2,
                                        frequency_penalty=0.5, presence_penalty=0.3, output_start=3)
-    got = sampling.penalize(logits, params, [5, 7, 9, 5, 11, 7], [11, 40, 11])
+    got = sampling.penalize(logits, params, [5, 7, 9, 5, 11, 7, 11, 40, 11], 6)
     assert got.device.type == "cuda"
-    assert torch.equal(got.cpu(), sampling.penalize(logits.cpu(), params, [5, 7, 9, 5, 11, 7], [11, 40, 11]))
+    assert torch.equal(got.cpu(), sampling.penalize(logits.cpu(), params, [5, 7, 9, 5, 11, 7, 11, 40, 11], 6))
 
 
 @pytest.mark.parametrize("suite", SUITES)

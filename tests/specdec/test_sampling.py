@@ -74,7 +74,7 @@ def test_a_passs_rows_are_the_steps_of_the_target_alone(bias, repetition, freque
     params = common_pb2.SamplingParams(temperature=1.0, top_p=1.0, logit_bias=bias, repetition_penalty=repetition,
                                        frequency_penalty=frequency, presence_penalty=presence,
                                        output_start=output_start)
-    got = sampling.penalize(logits, params, history, drafts)
+    got = sampling.penalize(logits, params, history + drafts, len(history))
     for i in range(len(drafts) + 1):
         want = penalized_step(logits[i], history + drafts[:i], output_start, bias, repetition, frequency, presence)
         torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
@@ -90,14 +90,15 @@ def test_penalties_read_a_cut_head_at_its_token_ids():
     params = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, logit_bias={7: 3.0, 12: -9.0},
                                        repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.25)
     history, drafts = [5, 9, 12, 63, 5], [7, 40]
-    want = sampling.penalize(full, params, history, drafts)[:, columns]
-    torch.testing.assert_close(sampling.penalize(full[:, columns], params, history, drafts, columns), want)
+    want = sampling.penalize(full, params, history + drafts, len(history))[:, columns]
+    got = sampling.penalize(full[:, columns], params, history + drafts, len(history), columns)
+    torch.testing.assert_close(got, want)
     # A request's first draft: no output yet, nothing to count.
     first = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, frequency_penalty=0.5, output_start=5)
-    assert torch.equal(sampling.penalize(full[:1, columns], first, history, [], columns), full[:1, columns])
+    assert torch.equal(sampling.penalize(full[:1, columns], first, history, None, columns), full[:1, columns])
 
 
 def test_no_penalty_leaves_the_logits_as_they_are():
     logits = torch.randn(2, 10)
     for params in (common_pb2.SamplingParams(top_p=1.0), common_pb2.SamplingParams(top_p=1.0, repetition_penalty=1.0)):
-        assert sampling.penalize(logits, params, [1, 2], [3]) is logits
+        assert sampling.penalize(logits, params, [1, 2, 3], 2) is logits
