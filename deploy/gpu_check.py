@@ -1,15 +1,20 @@
 """The prepared device check for a lent GPU (never part of CI): the engine on CUDA, its
-usual passes against static passes replayed from CUDA graphs (`--cuda-graphs`), on a
-model of the default target's shape (SmolLM2-135M's config, random weights: the GGUF
-file does not travel to the device), in float32 and bfloat16.
+static passes replayed from CUDA graphs (`--cuda-graphs on`, `compiled`), with and
+without batch-invariant passes (`--batch-invariant N`), on a model of the default
+target's shape (SmolLM2-135M's config, random weights: the GGUF file is larger than
+what travels to the device), in bfloat16 (float32 with GPU_CHECK_FLOAT32=1).
 
 Prints a table and writes every figure to $OUT/gpu_check.json (or the folder given):
 - a step: ms a token of greedy one-token steps;
 - a pass of 5 tokens (a K = 4 verify pass) against a pass of 1, and 64 rows of one token
   against one row;
-- exactness: the target's own greedy tokens fed back as drafts of 4 (as a verify pass
-  takes them), against its one-token steps: how many positions' argmax agree, and
-  whether their logits are bit-identical.
+- exactness, on 16 prompts: the target's own greedy tokens fed back as drafts of 4, each
+  round one pass of 5 (as a verify pass takes them), against its one-token steps: how
+  many positions' argmax agree and whether their logits are bit-identical; and greedy
+  speculation with drafts of 4 of which every third is wrong (rejections, caches
+  rewritten): how many of the 16 outputs equal the one-token steps';
+- a pass keeping a feature drafter's layers against the same pass without: its logits
+  bit-identical or not.
 
     python -m deploy.gpu_check [OUT]"""
 
@@ -28,10 +33,10 @@ from specdec.engine import Engine
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
-PROMPT, STEPS, REPEATS = 48, 64, 30
+PROMPT, STEPS, REPEATS, PROMPTS = 48, 64, 30, 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if os.environ.get("GPU_CHECK_SMOKE"):  # the script's own check, on a CPU: a small model, few repeats
-    SMOLLM2_135M["num_hidden_layers"], STEPS, REPEATS = 2, 9, 2
+    SMOLLM2_135M["num_hidden_layers"], STEPS, REPEATS, PROMPTS = 2, 9, 2, 3
 
 
 def model(dtype: torch.dtype):
@@ -80,10 +85,47 @@ def verified(engine: Engine, ids: list[int], tokens: list[int], k: int = 4) -> l
     at = 0
     while at + k < len(tokens):
         seq.sync(len(ids) + at, tokens[at:at + k + 1])
-        out += list(engine.forward_now(seq, k + 1)[0][1:])
+        out += list(engine.forward_now(seq, k + 1)[0])
         at += k + 1
     engine.release(seq)
     return out[:len(tokens)]
+
+
+def speculated(engine: Engine, ids: list[int], reference: list[int], k: int = 4) -> list[int]:
+    """Greedy speculation with the reference's tokens as drafts of k, every third one
+    wrong: each round one pass of the last token and its drafts, the longest agreeing
+    prefix kept and the target's own token after it -> the output."""
+    vocab = SMOLLM2_135M["vocab_size"]
+    seq = engine.new_sequence()
+    seq.sync(0, ids)
+    out = [int(engine.forward_now(seq, 1)[0][-1].argmax())]
+    while len(out) < len(reference):
+        at = len(out)
+        drafts = [t if (at + i) % 3 else (t + 1) % vocab for i, t in enumerate(reference[at:at + k])]
+        seq.sync(len(ids) + at - 1, [out[-1]] + drafts)
+        picks = engine.forward_now(seq, len(drafts) + 1)[0].argmax(-1).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == picks[n]:
+            n += 1
+        out += drafts[:n] + [picks[n]]
+    engine.release(seq)
+    return out[:len(reference)]
+
+
+def features_agree(engine: Engine) -> bool:
+    """A 5-token pass keeping a feature drafter's layers (the first's input, the middle
+    one's, the last one's output) gives the same logits, to the bit, as the pass without
+    them."""
+    n = SMOLLM2_135M["num_hidden_layers"]
+    layers, logits = (0, n // 2, n), []
+    for keep in ((), layers):
+        seq = engine.new_sequence()
+        seq.sync(0, prompt(7) + prompt(8, 5))
+        engine.forward_now(seq, 1)
+        seq.sync(PROMPT, prompt(9, 5))
+        logits.append(engine.submit(seq, 5, layers=keep).future.result()[0])
+        engine.release(seq)
+    return torch.equal(*logits)
 
 
 def pass_ms(engine: Engine, n: int, rows: int = 1, runner: list | None = None) -> float:
@@ -124,28 +166,27 @@ def replay_ms(graph) -> float:
     return statistics.median(times[3:])
 
 
-def check(dtype: torch.dtype, graphs: bool, compiled: bool = False) -> dict:
+def check(dtype: torch.dtype, graphs: bool, compiled: bool = False, invariant: int = 0) -> dict:
     m = model(dtype)
     started = time.perf_counter()
-    engine = Engine(m, 1 << 30, cuda_graphs=graphs, prefix_caching=False)
-    if compiled:
-        engine.runner.static.compile()
+    engine = Engine(m, 1 << 30, cuda_graphs="compiled" if compiled else graphs, prefix_caching=False,
+                    batch_invariant=invariant)
     try:
         greedy(engine, prompt(1), 8)  # warm: kernels loaded, the step's graphs captured
         for n, rows in ((5, 1), (1, 64)):
             pass_ms(engine, n, rows)  # their graphs captured before timing
         warm_s = time.perf_counter() - started
         out = {"dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs, "compiled": compiled,
-               "warm_s": round(warm_s, 2)}
+               "invariant": invariant, "numerics": engine.numerics, "warm_s": round(warm_s, 2)}
         out["pass_1_ms"] = pass_ms(engine, 1)
         out["pass_5_ms"] = pass_ms(engine, 5)
         out["rows_64_ms"] = pass_ms(engine, 1, 64)
         out["pass_5_over_1"] = out["pass_5_ms"] / out["pass_1_ms"]
         out["rows_64_over_1"] = out["rows_64_ms"] / out["pass_1_ms"]
-        agree = bits = total = 0
+        agree = bits = total = same = 0
         step_ms = []
         outputs = []
-        for seed in range(8):
+        for seed in range(PROMPTS):
             ids = prompt(10 + seed)
             tokens, step_logits, ms = greedy(engine, ids, STEPS)
             step_ms.append(ms)
@@ -154,18 +195,19 @@ def check(dtype: torch.dtype, graphs: bool, compiled: bool = False) -> dict:
                 total += 1
                 agree += int(a.argmax() == b.argmax())
                 bits += int(torch.equal(a, b))
+            same += int(speculated(engine, ids, tokens) == tokens)
         out.update(step_ms=statistics.median(step_ms), verify_argmax_agree=f"{agree}/{total}",
-                   verify_bit_identical=f"{bits}/{total}", outputs=outputs)
+                   verify_bit_identical=f"{bits}/{total}", speculation_identical=f"{same}/{PROMPTS}",
+                   features_bit_identical=features_agree(engine), outputs=outputs)
         runner = []
         pass_ms(engine, 1, runner=runner)
         out["pass_1_engine_ms"] = runner[0]
-        if graphs:
-            static = engine.runner.static
+        if static := engine.runner.static:
             out["graphs"] = len(static.graphs)
             out["static_passes"] = static.passes
-            if DEVICE == "cuda":
-                out["replay_ms"] = {f"{t}x{l_}": replay_ms(graph) for (t, l_), (graph, _) in
-                                    sorted(static.graphs.items())}
+            if DEVICE == "cuda" and graphs:
+                out["replay_ms"] = {"x".join(map(str, key[:2])) + ("+features" if key[2] else ""): replay_ms(graph)
+                                    for key, (graph, _) in sorted(static.graphs.items())}
         return out
     finally:
         engine.stop()
@@ -179,32 +221,38 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
                "runs": []}
-    variants = [(torch.float32, False, False), (torch.float32, True, False), (torch.bfloat16, False, False),
-                (torch.bfloat16, True, False), (torch.bfloat16, True, True)]
+    # (dtype, graphs, compiled, invariant), the slow compiles last: a variant that would
+    # start past the deadline is left out, so the check ends in its lease.
+    variants = [(torch.bfloat16, True, False, 0), (torch.bfloat16, True, False, 8), (torch.bfloat16, True, False, 64),
+                (torch.bfloat16, True, True, 8), (torch.bfloat16, True, True, 0)]
+    if os.environ.get("GPU_CHECK_FLOAT32"):
+        variants = [(torch.float32, True, False, 0), (torch.float32, True, False, 8)] + variants
     if os.environ.get("GPU_CHECK_NO_COMPILE"):
-        variants = variants[:-1]
-    for dtype, graphs, compiled in variants:
-        run = check(dtype, graphs, compiled)
+        variants = [v for v in variants if not v[2]]
+    deadline = time.perf_counter() + float(os.environ.get("GPU_CHECK_DEADLINE_S", "420"))
+    for dtype, graphs, compiled, invariant in variants:
+        if time.perf_counter() > deadline:
+            print(f"left out past the deadline: {dtype} graphs={graphs} compiled={compiled} invariant={invariant}")
+            continue
+        run = check(dtype, graphs, compiled, invariant)
         results["runs"].append(run)
         (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1))
         print(json.dumps({k: v for k, v in run.items() if k != "outputs"}), flush=True)
-    for dtype in ("float32", "bfloat16"):
-        eager, *others = [r for r in results["runs"] if r["dtype"] == dtype]
-        for other in others:
-            same = sum(a == b for a, b in zip(eager["outputs"], other["outputs"]))
-            print(f"{dtype}: greedy outputs, graphs{' compiled' if other['compiled'] else ''} against eager steps: "
-                  f"{same}/{len(eager['outputs'])} identical")
+    first = results["runs"][0]
+    for other in results["runs"][1:]:
+        same = sum(a == b for a, b in zip(first["outputs"], other["outputs"]))
+        print(f"greedy outputs of {other['numerics']} against {first['numerics']}: {same}/{len(first['outputs'])} "
+              f"identical")
     for r in results["runs"]:
-        if r["cuda_graphs"]:
-            print(r["dtype"], "compiled" if r["compiled"] else "", "replay ms by bucket:", r.get("replay_ms"),
-                  "engine's part of a 1-token pass:", round(r["pass_1_engine_ms"], 3), "ms")
-    print(f"\n{'dtype':9} {'graphs':8} {'step ms':>8} {'1 tok':>7} {'5 tok':>7} {'64 rows':>8} {'5/1':>5} "
-          f"{'64/1':>5} {'verify argmax':>13} {'bits':>8} {'warm s':>6}")
+        print(r["numerics"], "replay ms by bucket:", r.get("replay_ms"),
+              "engine's part of a 1-token pass:", round(r["pass_1_engine_ms"], 3), "ms")
+    print(f"\n{'numerics':42} {'step ms':>8} {'1 tok':>7} {'5 tok':>7} {'64 rows':>8} {'5/1':>5} "
+          f"{'64/1':>5} {'verify argmax':>13} {'bits':>9} {'spec':>6} {'feat':>5} {'warm s':>6}")
     for r in results["runs"]:
-        kind = "compiled" if r["compiled"] else str(r["cuda_graphs"])
-        print(f"{r['dtype']:9} {kind:8} {r['step_ms']:8.2f} {r['pass_1_ms']:7.2f} "
+        print(f"{r['numerics']:42} {r['step_ms']:8.2f} {r['pass_1_ms']:7.2f} "
               f"{r['pass_5_ms']:7.2f} {r['rows_64_ms']:8.2f} {r['pass_5_over_1']:5.2f} {r['rows_64_over_1']:5.2f} "
-              f"{r['verify_argmax_agree']:>13} {r['verify_bit_identical']:>8} {r['warm_s']:6.1f}")
+              f"{r['verify_argmax_agree']:>13} {r['verify_bit_identical']:>9} {r['speculation_identical']:>6} "
+              f"{str(r['features_bit_identical']):>5} {r['warm_s']:6.1f}")
     return 0
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prepared device check for a lent GPU (never in CI): what it needs is on the device's
-# image (torch, transformers, grpcio); it runs the engine's CUDA passes, eager and from CUDA
+# image (torch, transformers, grpcio); it runs the engine's CUDA passes from CUDA
 # graphs, and writes its figures and log under $OUT (deploy/gpu_check.py says what it measures).
-# About 3 minutes on an H100.
+# About 6 minutes on an H100 (GPU_CHECK_DEADLINE_S: no variant starts past it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}

@@ -88,6 +88,11 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
         help="Llama-family models on a GPU: passes of up to 64 tokens in static shapes, replayed from CUDA graphs "
              "captured per bucket at their first use (on: the eager operations; compiled: torch.compile's fused "
              "kernels, about 40 s more to capture a bucket). The host launches one graph, not each operation")
+    add(parser, "--batch-invariant", env=f"{prefix}_BATCH_INVARIANT", type=int, default=0,
+        help="N > 0: every forward pass runs as passes of exactly N tokens (padded, a longer one in turn), so "
+             "a token's logits are the same bits in a one-token step, a verify pass or a batch of sessions: "
+             "greedy speculation in bfloat16/float16 then gives the target alone's tokens. Llama-family models; "
+             "replayed from CUDA graphs with --cuda-graphs. 0: off (a pass's shape follows its tokens)")
     add(parser, "--prefix-caching", env=f"{prefix}_PREFIX_CACHING", type=bool, default=True,
         help="a session whose prompt starts with blocks another session computed (a system prompt, a chat's "
              "earlier turns) takes their keys and values instead of computing them again")

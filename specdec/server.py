@@ -39,7 +39,7 @@ def engine(model, args, metrics=None) -> Engine:
     quantized as they say: the drafter cuts its output head first)."""
     return Engine(quantize(model, args.quantize), args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens,
                   args.max_waiting_sessions, threads=args.threads, metrics=metrics, prefix_caching=args.prefix_caching,
-                  cuda_graphs=args.cuda_graphs)
+                  cuda_graphs=args.cuda_graphs, batch_invariant=args.batch_invariant)
 
 
 class SessionServicer:

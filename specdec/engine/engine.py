@@ -69,16 +69,21 @@ class Engine:
 
     def __init__(self, model, kv_cache_bytes: int, max_batch_rows: int = 64, max_batch_tokens: int = 256,
                  max_waiting: int = 64, block_size: int = 16, gather: float = 0.25, threads: int = 0,
-                 metrics=None, prefix_caching: bool = True, cuda_graphs: bool | str = False):
+                 metrics=None, prefix_caching: bool = True, cuda_graphs: bool | str = False,
+                 batch_invariant: int = 0):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be >= 1")
+        if not 0 <= batch_invariant <= 256:
+            raise ValueError(f"batch_invariant must be 0 (off) or the tokens of every pass, 1 to 256; "
+                             f"got {batch_invariant}")
         check_supported(model)
         self.model = model
         self.pool = KVPool(model.config, kv_cache_bytes, model.dtype, model.device, block_size)
         self.blocks = BlockManager(self.pool, metrics, prefix_caching)
         self.cond = threading.Condition()
         self.scheduler = Scheduler(self.blocks, self.cond, max_batch_rows, max_batch_tokens, gather)
-        self.runner = ModelRunner(model, self.pool, self.scheduler.short, static=cuda_graphs)
+        self.runner = ModelRunner(model, self.pool, self.scheduler.short, static=cuda_graphs,
+                                  invariant=batch_invariant)
         self.max_waiting = max_waiting
         self.stopped = False
         self.failed: Unavailable | None = None  # the engine's thread failed outside a pass: every call fails
@@ -118,8 +123,12 @@ class Engine:
         runner = self.runner
         forward = getattr(runner.forward, "func", runner.forward).__name__
         path = {"_layer_kernel_forward": "layer-kernel", "_llama_forward": "llama"}.get(forward, "transformers")
-        if runner.static is not None and self.model.device.type == "cuda":
-            path += "+cuda-graphs" + ("-compiled" if runner.static.compiled is not None else "")
+        if runner.static is not None and runner.static.capture:
+            path += "+cuda-graphs"
+        if runner.static is not None and runner.static.compiled is not None:
+            path += "+compiled"
+        if runner.static is not None and runner.static.invariant:
+            path += f"+invariant-{runner.static.invariant}"
         return f"{method_of(self.model)}/{str(self.model.dtype).removeprefix('torch.')}/{self.model.device.type}/{path}"
 
     @property

@@ -4,6 +4,7 @@ import functools
 import logging
 import weakref
 
+import numpy as np
 import torch
 
 from specdec.engine.attention import ATTENTION, Abandoned, Group, Plan, paged_attention
@@ -15,23 +16,25 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, short: int, static: bool | str = False):
+    def __init__(self, model, pool: KVPool, short: int, static: bool | str = False, invariant: int = 0):
         """short: rows of at most this many tokens attend together (a pass's rounds and
         steps); longer ones (prefill chunks) attend in a group of their own. static: passes
         that fit StaticPasses' buckets run through it (CUDA graphs on a GPU); "compiled":
-        through torch.compile too; False or "off": never."""
+        through torch.compile too; False or "off": never. invariant: N > 0, every pass runs
+        as static passes of N tokens (StaticPasses), captured where `static` says."""
         model.set_attn_implementation(ATTENTION)
         self.model, self.device, self.pool, self.short = model, model.device, pool, short
         self.plan: Plan | None = None  # the pass running or last run
         self.attention_dtype = attention_dtype(model, model.dtype)
         self.static = None
-        if static and static != "off":
+        graphs = bool(static) and static != "off"
+        if graphs or invariant:
             if not _is_llama(model):
-                raise ValueError("static passes (--cuda-graphs) run Llama-family models only")
+                raise ValueError("static passes (--cuda-graphs, --batch-invariant) run Llama-family models only")
             from specdec.modeling import max_positions
 
-            self.static = StaticPasses(model, pool, self.attention_dtype, model.device.type == "cuda",
-                                       max_positions(model))
+            self.static = StaticPasses(model, pool, self.attention_dtype, graphs and model.device.type == "cuda",
+                                       max_positions(model), invariant)
             if static == "compiled":
                 self.static.compile()
         self.kernel = _cpu_attention(model, self.attention_dtype)
@@ -52,9 +55,8 @@ class ModelRunner:
             ids += seq.tokens[start:end]
             positions += range(start, end)
         layers = tuple(sorted({layer for row in batch for layer in row.work.layers}))
-        if self.static is not None and not layers and \
-                (logits := self.static.run(batch, ids, positions, keep)) is not None:
-            return logits, None
+        if self.static is not None and (out := self.static.run(batch, ids, positions, keep, layers)) is not None:
+            return out
         # Each row with its offset in the packed tokens and the slots it reads, its own last.
         placed = [(row, offset, row.work.seq.slots(row.start + row.n, block_size, device))
                   for row, offset in zip(batch, offsets)]
@@ -113,27 +115,38 @@ class ModelRunner:
 class StaticPasses:
     """Passes of static shapes, replayed from CUDA graphs on a GPU: no host in the step.
 
-    A pass of T tokens whose rows read at most L positions runs in the smallest bucket
-    (T', L') that holds it, T' from TOKENS and L' a power of two from 128 up to the
+    A pass of T tokens whose tokens read at most L positions runs in the smallest bucket
+    (T', L') that holds it, T' from `tokens` and L' a power of two from 128 up to the
     model's positions: the pass's ids, positions, write slots and each token's read
     table are copied into buffers of the largest bucket (one copy from the host), the
     padding tokens write to a slot no session owns (block 0's second: block 0 is never
-    handed out) and read it alone, and the bucket's graph replays. Its logits come back
-    for every token; the wanted ones are picked after. Each bucket is captured at its
-    first pass (`capture` False: the same padded pass runs eagerly, as on a CPU, where
-    the tests check it against the engine's own). A longer pass runs the usual way."""
+    handed out) and read it alone, and the bucket's graph replays. Its logits (and the
+    features a feature drafter asks for) come back for every token; the wanted ones are
+    picked after. Each bucket is captured at its first pass (`capture` False: the same
+    padded pass runs eagerly, as on a CPU, where the tests check it against the
+    engine's own). A longer pass runs the usual way.
+
+    Batch-invariant (`invariant` = N): every pass is N tokens, a longer one runs as
+    passes of N tokens in turn (each token attends to the keys of the ones before it,
+    written by the passes before). A token's row then meets the same matrix products,
+    norms and reductions, of the same shapes, whether it is a one-token step or one of
+    a verify pass or a batch of many sessions: its bits do not depend on the pass
+    around it, so greedy speculation in 16 bits gives the target alone's tokens."""
 
     TOKENS = (1, 2, 4, 8, 16, 32, 64)
     PAD_SLOT = 1
 
-    def __init__(self, model, pool: KVPool, dtype: torch.dtype, capture: bool, max_positions: int):
+    def __init__(self, model, pool: KVPool, dtype: torch.dtype, capture: bool, max_positions: int,
+                 invariant: int = 0):
         if pool.block_size < 2:
             raise ValueError("static passes need blocks of at least 2 slots (the padding writes to block 0's second)")
         self.model, self.pool, self.dtype, self.capture = model, pool, dtype, capture
+        self.invariant = invariant
+        self.tokens = (invariant,) if invariant else self.TOKENS
         self.lengths = [128]
         while self.lengths[-1] < max_positions:
             self.lengths.append(2 * self.lengths[-1])
-        device, tokens, length = model.device, self.TOKENS[-1], self.lengths[-1]
+        device, tokens, length = model.device, self.tokens[-1], self.lengths[-1]
         # ids, positions, writes, lengths: one buffer each (a compiled pass takes them as
         # its arguments: views of one storage tripped inductor)
         self.inputs = [torch.zeros(tokens, dtype=torch.long, device=device) for _ in range(4)]
@@ -142,49 +155,84 @@ class StaticPasses:
         pinned = device.type == "cuda"
         self.host_inputs = torch.zeros(4, tokens, dtype=torch.long, pin_memory=pinned)
         self.host_read = torch.zeros(tokens, length, dtype=torch.long, pin_memory=pinned)
-        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        # (tokens, length, feature layers) -> (graph, its outputs)
+        self.graphs: dict[tuple[int, int, tuple[int, ...]], tuple[object, tuple]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.passes = 0  # passes run here
 
     def bucket(self, tokens: int, length: int) -> tuple[int, int] | None:
-        t = next((b for b in self.TOKENS if b >= tokens), None)
+        t = next((b for b in self.tokens if b >= tokens), None)
         l_ = next((b for b in self.lengths if b >= length), None)
         return None if t is None or l_ is None else (t, l_)
 
-    def run(self, batch: list[Row], ids: list[int], positions: list[int], keep: list[int]) -> torch.Tensor | None:
-        """The pass's logits of the wanted positions ([len(keep), vocab]), or None where it
-        fits no bucket."""
-        length = max(row.start + row.n for row in batch)
-        if (shape := self.bucket(len(ids), length)) is None:
+    def run(self, batch: list[Row], ids: list[int], positions: list[int], keep: list[int],
+            layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None] | None:
+        """The pass's logits of the wanted positions ([len(keep), vocab]) and the features
+        at them ({layer: [len(keep), hidden]}, where `layers` asks), or None where it fits
+        no bucket."""
+        n, size = len(ids), self.tokens[-1]
+        if (n > size and not self.invariant) or max(positions) + 1 > self.lengths[-1]:
             return None
-        t, l_ = shape
+        # Each token's write slot, and its row's slots (the token reads up to its own position).
+        writes = np.empty(n, dtype=np.int64)
+        row_of, slots_of, at = np.empty(n, dtype=np.int64), [], 0
+        for index, row in enumerate(batch):
+            slots = row.work.seq.slot_array(row.start + row.n, self.pool.block_size)
+            writes[at:at + row.n] = slots[row.start:]
+            row_of[at:at + row.n] = index
+            slots_of.append(slots)
+            at += row.n
+        positions = np.asarray(positions, dtype=np.int64)
+        keep = np.asarray(keep, dtype=np.int64)
+        outs = []
+        for begin in range(0, n, size):
+            end = min(begin + size, n)
+            wanted = keep[(keep >= begin) & (keep < end)] - begin  # none in a prefill's first chunks
+            out = self._chunk(ids[begin:end], positions[begin:end], writes[begin:end], row_of[begin:end], slots_of,
+                              wanted, layers)
+            if out is not None:
+                outs.append(out)
+        logits = outs[0][0] if len(outs) == 1 else torch.cat([o[0] for o in outs])
+        features = None
+        if layers:
+            features = {layer: torch.cat([o[1][i] for o in outs]) for i, layer in enumerate(layers)}
+        if logits.device.type == "cuda":  # the pass's time is read right after: let it end first
+            torch.cuda.synchronize(logits.device)
+        return logits, features
+
+    def _chunk(self, ids, positions, writes, row_of, slots_of, wanted, layers):
+        """One static pass over up to `size` tokens -> (logits [wanted, vocab] float32,
+        features [layers, wanted, hidden] or None), copies: the next replay overwrites the
+        graph's outputs."""
+        n = len(ids)
+        t, l_ = self.bucket(n, int(positions.max()) + 1)
         # The bucket's inputs built on the host in pinned memory, and copied in two copies.
         inputs, read = self.host_inputs[:, :t].numpy(), self.host_read[:t, :l_].numpy()
-        n = len(ids)
-        inputs[0, :n], inputs[1, :n] = ids, positions
+        inputs[0, :n], inputs[1, :n], inputs[2, :n] = ids, positions, writes
         inputs[0, n:], inputs[1, n:], inputs[2, n:] = 0, 0, self.PAD_SLOT
         inputs[3] = inputs[1] + 1  # a token reads up to its own position; padding its own slot alone
         read[n:] = self.PAD_SLOT
-        block, at = self.pool.block_size, 0
-        for row in batch:
-            end = row.start + row.n
-            slots = row.work.seq.slot_array(end, block)
-            inputs[2, at:at + row.n] = slots[row.start:]
-            read[at:at + row.n, :end] = slots
-            at += row.n
+        at = 0
+        while at < n:  # a row's run of tokens: one table up to its last one's position
+            row, until = row_of[at], at + 1
+            while until < n and row_of[until] == row:
+                until += 1
+            end = positions[until - 1] + 1
+            read[at:until, :end] = slots_of[row][:end]
+            at = until
         for i, buffer in enumerate(self.inputs):
             buffer[:t].copy_(self.host_inputs[i, :t], non_blocking=True)
         self.read[:t, :l_].copy_(self.host_read[:t, :l_], non_blocking=True)
-        logits = self._replay(t, l_) if self.capture else self._forward(t, l_)
+        logits, features = self._replay(t, l_, layers) if self.capture else self._forward(t, l_, layers)
         self.passes += 1
-        if keep == list(range(keep[0], keep[0] + len(keep))):
-            logits = logits[keep[0]:keep[0] + len(keep)]
+        if len(wanted) == 0:
+            return None
+        if np.array_equal(wanted, np.arange(wanted[0], wanted[0] + len(wanted))):
+            pick = slice(int(wanted[0]), int(wanted[0]) + len(wanted))
         else:
-            logits = logits[torch.tensor(keep).to(logits.device, non_blocking=True)]
-        logits = logits.to(torch.float32, copy=True)  # a copy: the next replay overwrites the graph's
-        if logits.device.type == "cuda":  # the pass's time is read right after: let it end first
-            torch.cuda.synchronize(logits.device)
-        return logits
+            pick = torch.from_numpy(wanted).to(logits.device, non_blocking=True)
+        logits = logits[pick].to(torch.float32, copy=True)
+        return logits, None if features is None else features[:, pick].clone()
 
     def compile(self) -> None:
         """Runs each bucket's pass through torch.compile (its elementwise operations fused:
@@ -194,21 +242,22 @@ class StaticPasses:
         torch._dynamo.config.cache_size_limit = 64  # a compile per bucket
         self.compiled = torch.compile(_static_pass, dynamic=False)
 
-    def _forward(self, t: int, l_: int) -> torch.Tensor:
-        """The bucket's pass over the buffers -> logits of its t tokens [t, vocab]."""
+    def _forward(self, t: int, l_: int, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bucket's pass over the buffers -> logits of its t tokens [t, vocab], and
+        their features [layers, t, hidden] where asked."""
         ids, positions, writes, lengths = (buffer[:t] for buffer in self.inputs)
         with torch.inference_mode():
             return (self.compiled or _static_pass)(self.model, self.pool, self.dtype, ids, positions, writes,
-                                                   self.read[:t, :l_], lengths, l_)
+                                                   self.read[:t, :l_], lengths, l_, layers)
 
-    def _replay(self, t: int, l_: int) -> torch.Tensor:
-        if (held := self.graphs.get((t, l_))) is None:
-            held = self.graphs[(t, l_)] = self._captured(t, l_)
-        graph, logits = held
+    def _replay(self, t: int, l_: int, layers: tuple[int, ...]):
+        if (held := self.graphs.get((t, l_, layers))) is None:
+            held = self.graphs[(t, l_, layers)] = self._captured(t, l_, layers)
+        graph, outputs = held
         graph.replay()
-        return logits
+        return outputs
 
-    def _captured(self, t: int, l_: int):
+    def _captured(self, t: int, l_: int, layers: tuple[int, ...]):
         """The bucket's graph, captured over buffers that hold a pass of padding alone (its
         warm-up passes write only the padding slot)."""
         saved = [buffer[:t].clone() for buffer in self.inputs], self.read[:t, :l_].clone()
@@ -220,22 +269,26 @@ class StaticPasses:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # kernels chosen and loaded outside the capture
-                self._forward(t, l_)
+                self._forward(t, l_, layers)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits = self._forward(t, l_)
+            outputs = self._forward(t, l_, layers)
         for buffer, value in zip(self.inputs, saved[0]):
             buffer[:t] = value
         self.read[:t, :l_] = saved[1]
-        log.info("captured a CUDA graph of %d tokens reading up to %d positions", t, l_)
-        return graph, logits
+        log.info("captured a CUDA graph of %d tokens reading up to %d positions%s", t, l_,
+                 f", keeping features of layers {list(layers)}" if layers else "")
+        return graph, outputs
 
 
-def _static_pass(model, pool: KVPool, dtype: torch.dtype, ids, positions, writes, read, lengths, end: int):
-    """A static pass: ids, positions, writes, lengths [t]; read [t, L] -> logits [t, vocab]."""
-    plan = Plan(pool, writes, [], dtype, [], by_token=(read, lengths), end=end)
-    return _llama_forward(model, ids[None], positions[None], torch.arange(len(ids), device=ids.device), plan)[0]
+def _static_pass(model, pool: KVPool, dtype: torch.dtype, ids, positions, writes, read, lengths, end: int,
+                 layers: tuple[int, ...] = ()):
+    """A static pass: ids, positions, writes, lengths [t]; read [t, L] -> (logits [t, vocab],
+    features [layers, t, hidden] or None)."""
+    plan = Plan(pool, writes, [], dtype, [], by_token=(read, lengths), end=end, feature_layers=layers)
+    logits = _llama_forward(model, ids[None], positions[None], torch.arange(len(ids), device=ids.device), plan)[0]
+    return logits, torch.stack([plan.features[layer] for layer in layers]) if layers else None
 
 
 def _cpu_attention(model, dtype: torch.dtype):

@@ -24,7 +24,7 @@ def prompts(*sizes, seed=0):
 
 def test_buckets():
     static = StaticPasses.__new__(StaticPasses)
-    static.lengths = [128, 256, 512]
+    static.lengths, static.tokens = [128, 256, 512], StaticPasses.TOKENS
     assert static.bucket(1, 1) == (1, 128)
     assert static.bucket(5, 129) == (8, 256)
     assert static.bucket(64, 512) == (64, 512)
