@@ -12,7 +12,8 @@ Prints a table and writes every figure to $OUT/gpu_check.json (or the folder giv
   round one pass of 5 (as a verify pass takes them), against its one-token steps: how
   many positions' argmax agree and whether their logits are bit-identical; and greedy
   speculation with drafts of 4 of which every third is wrong (rejections, caches
-  rewritten): how many of the 16 outputs equal the one-token steps';
+  rewritten): how many of the 16 outputs equal the one-token steps'; and 64 sessions'
+  next tokens in one pass against each computed alone: how many rows are bit-identical;
 - a pass keeping a feature drafter's layers against the same pass without: its logits
   bit-identical or not.
 
@@ -128,6 +129,27 @@ def features_agree(engine: Engine) -> bool:
     return torch.equal(*logits)
 
 
+def rows_agree(engine: Engine, rows: int = 64) -> str:
+    """Each of `rows` sessions' next token computed alone, then all in one pass: how many
+    rows' logits are bit-identical."""
+    seqs = [engine.new_sequence() for _ in range(rows)]
+    alone = []
+    for i, seq in enumerate(seqs):
+        seq.sync(0, prompt(300 + i))
+        engine.forward_now(seq, 1)
+        seq.sync(PROMPT, prompt(400 + i, 1))
+        alone.append(engine.forward_now(seq, 1)[0][-1])
+        seq.sync(PROMPT, [])  # the token computed again below
+    with engine.cond:
+        for i, seq in enumerate(seqs):
+            seq.sync(PROMPT, prompt(400 + i, 1))
+        works = [engine.submit(seq, 1) for seq in seqs]
+    together = [work.future.result()[0][-1] for work in works]
+    for seq in seqs:
+        engine.release(seq)
+    return f"{sum(torch.equal(a, b) for a, b in zip(alone, together))}/{rows}"
+
+
 def pass_ms(engine: Engine, n: int, rows: int = 1, runner: list | None = None) -> float:
     """Median ms of a pass of `rows` sessions x n new tokens, each over a 48-token cache
     (`runner`: the mean ms of the engine's own part, the runner's, appended to it)."""
@@ -198,7 +220,8 @@ def check(dtype: torch.dtype, graphs: bool, compiled: bool = False, invariant: i
             same += int(speculated(engine, ids, tokens) == tokens)
         out.update(step_ms=statistics.median(step_ms), verify_argmax_agree=f"{agree}/{total}",
                    verify_bit_identical=f"{bits}/{total}", speculation_identical=f"{same}/{PROMPTS}",
-                   features_bit_identical=features_agree(engine), outputs=outputs)
+                   features_bit_identical=features_agree(engine), rows_bit_identical=rows_agree(engine),
+                   outputs=outputs)
         runner = []
         pass_ms(engine, 1, runner=runner)
         out["pass_1_engine_ms"] = runner[0]
@@ -247,12 +270,12 @@ def main() -> int:
         print(r["numerics"], "replay ms by bucket:", r.get("replay_ms"),
               "engine's part of a 1-token pass:", round(r["pass_1_engine_ms"], 3), "ms")
     print(f"\n{'numerics':42} {'step ms':>8} {'1 tok':>7} {'5 tok':>7} {'64 rows':>8} {'5/1':>5} "
-          f"{'64/1':>5} {'verify argmax':>13} {'bits':>9} {'spec':>6} {'feat':>5} {'warm s':>6}")
+          f"{'64/1':>5} {'verify argmax':>13} {'bits':>9} {'spec':>6} {'feat':>5} {'64 rows bits':>12} {'warm s':>6}")
     for r in results["runs"]:
         print(f"{r['numerics']:42} {r['step_ms']:8.2f} {r['pass_1_ms']:7.2f} "
               f"{r['pass_5_ms']:7.2f} {r['rows_64_ms']:8.2f} {r['pass_5_over_1']:5.2f} {r['rows_64_over_1']:5.2f} "
               f"{r['verify_argmax_agree']:>13} {r['verify_bit_identical']:>9} {r['speculation_identical']:>6} "
-              f"{str(r['features_bit_identical']):>5} {r['warm_s']:6.1f}")
+              f"{str(r['features_bit_identical']):>5} {r['rows_bit_identical']:>12} {r['warm_s']:6.1f}")
     return 0
 
 

@@ -156,6 +156,9 @@ class StaticPasses:
         self.host_inputs = torch.zeros(4, tokens, dtype=torch.long, pin_memory=pinned)
         self.host_read = torch.zeros(tokens, length, dtype=torch.long, pin_memory=pinned)
         # (tokens, length, feature layers) -> (graph, its outputs)
+        # The host buffers are copied to the device asynchronously: a pass run in turn
+        # waits for the last copy before it writes them again.
+        self.copied = torch.cuda.Event() if pinned else None
         self.graphs: dict[tuple[int, int, tuple[int, ...]], tuple[object, tuple]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.passes = 0  # passes run here
@@ -207,6 +210,8 @@ class StaticPasses:
         n = len(ids)
         t, l_ = self.bucket(n, int(positions.max()) + 1)
         # The bucket's inputs built on the host in pinned memory, and copied in two copies.
+        if self.copied is not None:
+            self.copied.synchronize()
         inputs, read = self.host_inputs[:, :t].numpy(), self.host_read[:t, :l_].numpy()
         inputs[0, :n], inputs[1, :n], inputs[2, :n] = ids, positions, writes
         inputs[0, n:], inputs[1, n:], inputs[2, n:] = 0, 0, self.PAD_SLOT
@@ -223,6 +228,8 @@ class StaticPasses:
         for i, buffer in enumerate(self.inputs):
             buffer[:t].copy_(self.host_inputs[i, :t], non_blocking=True)
         self.read[:t, :l_].copy_(self.host_read[:t, :l_], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         logits, features = self._replay(t, l_, layers) if self.capture else self._forward(t, l_, layers)
         self.passes += 1
         if len(wanted) == 0:
