@@ -1,10 +1,12 @@
-"""Static passes (`--cuda-graphs`): a pass padded to its bucket's shapes, as a CUDA graph
-replays it, run eagerly here on the CPU. The padding, the bucket's read table and the
-write slots must leave the engine's results and every session's cache as the usual pass
-leaves them; tests/gpu runs the captured graphs."""
+"""Static passes (`--cuda-graphs`, `--batch-invariant`): a pass padded to its bucket's
+shapes, as a CUDA graph replays it, run eagerly here on the CPU. The padding, the
+bucket's read table and the write slots must leave the engine's results and every
+session's cache as the usual pass leaves them; batch-invariant passes must give a row the
+same bits whatever else its pass holds. deploy/gpu_check.py runs the captured graphs."""
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec import modeling, quantize
 from specdec.engine import Engine
@@ -17,9 +19,9 @@ def target():
     return quantize.quantize(model, "gguf")
 
 
-def prompts(*sizes, seed=0):
+def prompts(*sizes, seed=0, vocab=49000):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 49000, (n,), generator=g).tolist() for n in sizes]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in sizes]
 
 
 def test_buckets():
@@ -32,11 +34,15 @@ def test_buckets():
     assert static.bucket(3, 513) is None
 
 
-def run(model, static: bool, texts):
+FEATURES = (0, 15, 30)  # a feature drafter's layers: the first's input, a middle one's, the last one's output
+
+
+def run(model, static: bool, texts, invariant: int = 0):
     """Each prompt but its last 3 tokens prefilled, then the 3 as one batched pass (a
-    round each), then a decode step for the first -> (the logits, the caches at every
-    written slot, how many passes were static)."""
-    engine = Engine(model, 64 << 20, cuda_graphs=static, prefix_caching=False)
+    round each), then a decode step for the first keeping a feature drafter's layers ->
+    (the logits, the features, the caches at every written slot, how many passes were
+    static)."""
+    engine = Engine(model, 64 << 20, cuda_graphs=static, prefix_caching=False, batch_invariant=invariant)
     try:
         seqs = [engine.new_sequence() for _ in texts]
         for seq, ids in zip(seqs, texts):
@@ -48,23 +54,96 @@ def run(model, static: bool, texts):
             works = [engine.submit(seq, 3) for seq in seqs]
         logits = [work.future.result()[0] for work in works]
         seqs[0].extend([42])
-        logits.append(engine.forward_now(seqs[0], 1)[0])
+        last, _, features = engine.submit(seqs[0], 1, layers=FEATURES).future.result()
+        logits.append(last)
         slots = torch.cat([seq.slots(len(seq.tokens), engine.pool.block_size, "cpu") for seq in seqs])
         caches = [t[slots] for t in (*engine.pool.k, *engine.pool.v)]
-        return logits, caches, engine.runner.static.passes if static else 0
+        return logits, features, caches, engine.runner.static.passes if engine.runner.static else 0
     finally:
         engine.stop()
 
 
-def test_a_static_pass_gives_the_usual_passes_bits(target):
+# (cuda_graphs, batch_invariant) -> static passes: for buckets, three short prefills (the
+# longest prompt's runs the usual way), the batched rounds, the decode step; for passes of
+# 8 tokens, the prefills in chunks of 8 (17, 34, 2 and 87 tokens: 3 + 5 + 1 + 11), the
+# rounds' 12 tokens in 2 (a row split between them), the step.
+@pytest.mark.parametrize("static, invariant, passes", [(True, 0, 5), (False, 8, 23)])
+def test_a_static_pass_gives_the_usual_passes_bits(target, static, invariant, passes):
     texts = prompts(20, 37, 5, 90)  # 90: its prefill is longer than the largest bucket
-    usual, usual_caches, _ = run(target, False, texts)
-    static, static_caches, passes = run(target, True, texts)
-    assert passes == 3 + 1 + 1  # three short prefills, the batched rounds, the decode step
-    for ours, theirs in zip(static, usual):
+    usual, usual_features, usual_caches, _ = run(target, False, texts)
+    ours_, features, caches, ran = run(target, static, texts, invariant)
+    assert ran == passes
+    for ours, theirs in zip(ours_, usual):
         assert torch.equal(ours, theirs)
-    for ours, theirs in zip(static_caches, usual_caches):
+    assert features.shape == usual_features.shape == (1, len(FEATURES) * target.config.hidden_size)
+    assert torch.equal(features, usual_features)
+    for ours, theirs in zip(caches, usual_caches):
         assert torch.equal(ours, theirs)
+
+
+def dense(dtype: torch.dtype = torch.float32):
+    """A model of the default target's widths (2 layers, a smaller vocabulary), random,
+    dense: its matrix products block their rows by how many there are."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def bits_apart(model, invariant: int) -> tuple[int, int, int]:
+    """At 4 threads (more than this machine's cores): a 100-token prompt's greedy steps
+    against its own tokens fed back as drafts of 4 (one 5-token pass a round, crossing the
+    128-position bucket), and 8 sessions' next tokens in one pass against each alone ->
+    (positions, rows, all compared) whose logits differ in any bit."""
+    engine = Engine(model, 64 << 20, threads=4, prefix_caching=False, batch_invariant=invariant)
+    try:
+        ids = prompts(100, seed=2, vocab=8000)[0]
+        seq = engine.new_sequence()
+        seq.sync(0, ids)
+        steps = [engine.forward_now(seq, 1)[0][-1]]
+        tokens = [int(steps[-1].argmax())]
+        for _ in range(39):
+            seq.extend([tokens[-1]])
+            steps.append(engine.forward_now(seq, 1)[0][-1])
+            tokens.append(int(steps[-1].argmax()))
+        seq.sync(len(ids), [])
+        verified = []
+        for at in range(0, 40, 5):
+            seq.sync(len(ids) + at, tokens[at:at + 5])
+            verified += list(engine.forward_now(seq, 5)[0])
+        positions = sum(not torch.equal(a, b) for a, b in zip(steps[1:], verified))  # steps[0]: the prefill's
+        engine.release(seq)
+
+        seqs = [engine.new_sequence() for _ in range(8)]
+        alone = []
+        for seq, text in zip(seqs, prompts(*range(30, 110, 10), seed=3, vocab=8000)):
+            seq.sync(0, text)
+            alone.append(engine.forward_now(seq, 1)[0][-1])
+            seq.sync(len(text) - 1, [])
+        with engine.cond:
+            for seq, text in zip(seqs, prompts(*range(30, 110, 10), seed=3, vocab=8000)):
+                seq.sync(len(text) - 1, text[-1:])
+            works = [engine.submit(seq, 1) for seq in seqs]
+        rows = sum(not torch.equal(a, w.future.result()[0][-1]) for a, w in zip(alone, works))
+        return positions, rows, len(verified) + len(seqs)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_passes_give_a_row_the_same_bits_in_any_pass(dtype):
+    model = dense(dtype)
+    assert bits_apart(model, invariant=8) == (0, 0, 40 + 8)
+    # The same model's usual passes do differ (else this test could not fail).
+    positions, rows, _ = bits_apart(model, invariant=0)
+    assert positions + rows > 0
+
+
+def test_batch_invariant_tokens_are_checked():
+    model = dense()
+    for bad in (-1, 257):
+        with pytest.raises(ValueError, match="batch_invariant"):
+            Engine(model, 16 << 20, batch_invariant=bad)
 
 
 def test_padding_writes_only_its_own_slot(target):
