@@ -11,14 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster import Cluster, drafter, generate, orchestrator, pb, verifier
+from cluster import PROMPTS, Cluster, drafter, generate, orchestrator, pb, verifier
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Shopping list: eggs, milk, bread, eggs, milk,",
-    "Once upon a time, in a land far away, there lived",
-]
 MAX_NEW = 40
 
 

@@ -3,14 +3,8 @@ own `generate(do_sample=False)`, on CPU in fp32."""
 
 import pytest
 
-from cluster import cases, generate, pb
+from cluster import PROMPTS, cases, generate, pb
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Shopping list: eggs, milk, bread, eggs, milk,",
-    "Once upon a time, in a land far away, there lived",
-]
 MAX_NEW = 40
 
 

@@ -258,6 +258,11 @@ def test_an_engines_numerics_name_its_quantization_dtype_device_and_path():
         assert engine.numerics == "none/float32/cpu/llama"
     finally:
         engine.stop()
+    engine = Engine(model, 1 << 20, batch_invariant=8)  # passes of 8 tokens round otherwise
+    try:
+        assert engine.numerics == "none/float32/cpu/llama+invariant-8"
+    finally:
+        engine.stop()
 
 
 def test_a_watcher_cancelled_during_a_check_ends():
