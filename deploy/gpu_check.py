@@ -268,7 +268,7 @@ def main() -> int:
         variants = [(torch.float32, True, False, 0), (torch.float32, True, False, 8)] + variants
     if os.environ.get("GPU_CHECK_NO_COMPILE"):
         variants = [v for v in variants if not v[2]]
-    deadline = time.perf_counter() + float(os.environ.get("GPU_CHECK_DEADLINE_S", "420"))
+    deadline = time.perf_counter() + float(os.environ.get("GPU_CHECK_DEADLINE_S", "300"))
     for dtype, graphs, compiled, invariant in variants:
         if time.perf_counter() > deadline:
             print(f"left out past the deadline: {dtype} graphs={graphs} compiled={compiled} invariant={invariant}")

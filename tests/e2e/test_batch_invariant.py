@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster import PROMPTS, Cluster, drafter, generate, orchestrator, pb, verifier
+from cluster import DEVICE, PROMPTS, Cluster, drafter, generate, orchestrator, pb, verifier
 
 MAX_NEW = 40
 
@@ -20,7 +20,8 @@ MAX_NEW = 40
 def invariant(tiny_pair, smol_tokenizer):
     target_dir, draft_dir, _ = tiny_pair
     cluster = Cluster()
-    v = verifier(target_dir, "verifier-bf16", extra=["--dtype", "bfloat16", "--batch-invariant", "8",
+    graphs = ["--cuda-graphs", "on"] if DEVICE.startswith("cuda") else []  # tests/gpu: replayed from graphs
+    v = verifier(target_dir, "verifier-bf16", extra=["--dtype", "bfloat16", "--batch-invariant", "8", *graphs,
                                                      "--threads", "8", "--max-batch-tokens", "24"])
     d = drafter(draft_dir, "drafter-bf16")
     cluster.start(v, d)

@@ -15,7 +15,8 @@ from specdec.sampling import Draws
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 TESTS = Path(__file__).parent.parent
-SUITES = ["specdec/test_engine.py", "e2e/test_exact.py", "e2e/test_sampling.py", "e2e/test_concurrent.py"]
+SUITES = ["specdec/test_engine.py", "e2e/test_exact.py", "e2e/test_sampling.py", "e2e/test_concurrent.py",
+          "e2e/test_batch_invariant.py"]
 
 
 def test_draws_take_device_probabilities():
