@@ -186,15 +186,6 @@ class Stream:
         return result
 
 
-# Prompts of the greedy-exactness tests: prose, code, a list that repeats, a story.
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Shopping list: eggs, milk, bread, eggs, milk,",
-    "Once upon a time, in a land far away, there lived",
-]
-
-
 def reference(model, ids: list[int], max_new: int) -> list[int]:
     """The target alone: transformers' greedy generate."""
     out = model.generate(torch.tensor([ids], device=model.device), do_sample=False, max_new_tokens=max_new,
