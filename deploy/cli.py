@@ -214,6 +214,14 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
                    "none on a GPU")
     flags.add(p, "--device", env="SPECDEC_DEVICE", default=None,
               help="torch device of the verifier (default: cpu; under Ray, cuda when it got a GPU)")
+    flags.add(p, "--cuda-graphs", env="SPECDEC_CUDA_GRAPHS", default="off", choices=["off", "on", "compiled"],
+              help="the verifier on a GPU (Llama-family targets): passes of up to 64 tokens replayed from CUDA "
+                   "graphs (on), of torch.compile's kernels (compiled: each shape's first pass compiles for "
+                   "about a minute)")
+    flags.add(p, "--batch-invariant", env="SPECDEC_BATCH_INVARIANT", type=int, default=0,
+              help="N > 0: the verifier runs every pass as passes of exactly N tokens, so a token's logits do not "
+                   "depend on what else its pass holds: greedy speculation in bfloat16/float16 gives the target "
+                   "alone's tokens (8: a single stream; 64: many sessions)")
     flags.add(p, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
               help="the orchestrator drafts each round's successor while the round is verified")
     flags.add(p, "--kv-cache-bytes", env="SPECDEC_KV_CACHE_BYTES", type=flags.byte_size, default="1GiB",
