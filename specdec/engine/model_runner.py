@@ -155,10 +155,10 @@ class StaticPasses:
         pinned = device.type == "cuda"
         self.host_inputs = torch.zeros(4, tokens, dtype=torch.long, pin_memory=pinned)
         self.host_read = torch.zeros(tokens, length, dtype=torch.long, pin_memory=pinned)
-        # (tokens, length, feature layers) -> (graph, its outputs)
         # The host buffers are copied to the device asynchronously: a pass run in turn
         # waits for the last copy before it writes them again.
         self.copied = torch.cuda.Event() if pinned else None
+        # (tokens, length, feature layers) -> (graph, its outputs)
         self.graphs: dict[tuple[int, int, tuple[int, ...]], tuple[object, tuple]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.passes = 0  # passes run here
