@@ -38,8 +38,8 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
     layers, first = tuple(request.features.layers), request.features.first_position
     rows = features = None
     if layers:  # the features come from the pass's rows from `first` on: it computes them
-        logits, done, rows = await seq.logits(max(len(drafts) + 1, len(seq.tokens) - first), layers=layers)
-        logits = logits[-(len(drafts) + 1):]
+        logits, done, rows = await seq.logits(max(len(drafts) + 1, len(seq.tokens) - first), layers=layers,
+                                              logits_last=len(drafts) + 1)
     else:
         logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
     logits = sampling.penalize(logits, request.sampling, seq.tokens, n)

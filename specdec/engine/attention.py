@@ -48,9 +48,12 @@ class Plan:
     # One past the pass's last position (known on the host: the rotary table reads no device).
     end: int | None = None
     # Layers whose input (the residual stream entering it; the number of layers: the last
-    # one's output) the pass keeps at the positions it keeps logits of, for a feature
-    # drafter; the forward fills `features` {layer: [kept, hidden]}.
+    # one's output) the pass keeps, for a feature drafter, at the packed tokens
+    # `feature_rows` (those it keeps logits of, and the earlier positions of a row whose
+    # features are wanted without logits: a prompt's); the forward fills `features`
+    # {layer: [len(feature_rows), hidden]}.
     feature_layers: tuple[int, ...] = ()
+    feature_rows: torch.Tensor | None = None
     features: dict | None = None
     # Set once every row's caller has gone, for a pass that runs its layers in one kernel
     # call (specdec/kernels/layer_cpu.cpp): it reads it before each layer.

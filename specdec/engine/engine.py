@@ -140,11 +140,12 @@ class Engine:
 
     # -- calls (any thread) --------------------------------------------------------------
 
-    def submit(self, seq: PagedSequence, last: int, again: bool = True, then=None, layers: tuple[int, ...] = ()
-               ) -> Work:
+    def submit(self, seq: PagedSequence, last: int, again: bool = True, then=None, layers: tuple[int, ...] = (),
+               logits_last: int | None = None) -> Work:
         """Queues work; `again`: the caller will be back with more right after this one
         (the next pass may wait a little for it); `then`: see Work; `layers`: the target's
-        features at these layers come with the logits (Plan.feature_layers)."""
+        features at these layers come with the logits (Plan.feature_layers), and with
+        `logits_last`, logits only for that many of the last `last` positions."""
         with self.cond:
             if self.failed is not None:
                 raise self.failed
@@ -160,15 +161,17 @@ class Engine:
                     raise Overloaded(f"{waiting} sessions are waiting for KV memory")
             seq.cached = min(seq.cached, len(seq.tokens) - last)  # logits come from computing those positions
             self.blocks.crop(seq)  # never into a cached block
-            work = self.scheduler.add(seq, last, again, then, tuple(layers))
+            work = self.scheduler.add(seq, last, again, then, tuple(layers), logits_last)
             self.cond.notify()
         return work
 
-    async def forward(self, seq: PagedSequence, last: int, again: bool = True, layers: tuple[int, ...] = ()):
+    async def forward(self, seq: PagedSequence, last: int, again: bool = True, layers: tuple[int, ...] = (),
+                      logits_last: int | None = None):
         """Logits after each of the last `last` tokens of seq ([last, vocab]), and the
         pass that finished them; with `layers`, the features at those positions too
-        ([last, len(layers) * hidden], the layers in the order given)."""
-        work = self.submit(seq, last, again, layers=layers)
+        ([last, len(layers) * hidden], the layers in the order given), and with
+        `logits_last`, the logits of only that many of them."""
+        work = self.submit(seq, last, again, layers=layers, logits_last=logits_last)
         done = asyncio.wrap_future(work.future)
         try:
             return await asyncio.shield(done)
@@ -208,12 +211,12 @@ class Engine:
             if drafts and layers:
                 raise ValueError("a decode that returns features checks no drafts")
             seq.extend(tokens[-1:] + drafts)
-            work.last, pending = 1 + len(drafts), drafts
+            work.last, work.logits_last, pending = 1 + len(drafts), None, drafts
             for token in tokens:
                 loop.call_soon_threadsafe(picked.put_nowait, (token, done, features) if layers else (token, done))
             return go_on
 
-        work = self.submit(seq, last, then=then, layers=layers)
+        work = self.submit(seq, last, then=then, layers=layers, logits_last=1)  # a pick reads the last
         finished = asyncio.wrap_future(work.future)
         # The work's end comes through the same queue, behind every token picked before it:
         # one wait per token, not a wait on two futures.
@@ -368,7 +371,8 @@ class Engine:
                      (now - self.logged[0]), len(self.blocks.holders), self.blocks.used,
                      self.pool.capacity, self.scheduler.waiting())
             self.logged = (now, self.passes, self.rows, self.tokens, self.busy_s)
-        kept, deciding = 0, []
+        kept = kept_logits = 0
+        deciding = []
         for row in batch:
             work, seq = row.work, row.work.seq
             work.in_pass = False
@@ -387,7 +391,7 @@ class Engine:
                     # This row computes from the first wanted position on: logits of earlier
                     # passes are of a cache since preempted (recomputed now), not to be kept twice.
                     work.parts, work.feature_parts = [], []
-                work.parts.append(logits[kept:kept + row.wanted])
+                work.parts.append(logits[kept_logits:kept_logits + row.logit_rows])
                 if work.layers:
                     work.feature_parts.append(torch.cat([features[layer][kept:kept + row.wanted]
                                                          for layer in work.layers], dim=-1))
@@ -402,6 +406,7 @@ class Engine:
                         work.in_pass = True
                         deciding.append((work, finished, feats))
             kept += row.wanted
+            kept_logits += row.logit_rows
         self.cond.notify()
         return deciding
 

@@ -43,26 +43,31 @@ class ModelRunner:
             self.forward = functools.partial(_layer_kernel_forward, stacks)
 
     def run(self, batch: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
-        """One forward over every row's next tokens; -> logits of the wanted positions
-        [sum of the rows' wanted, vocab], and where a row asked for them, the features at
-        the same positions {layer: [sum of the rows' wanted, hidden]}."""
+        """One forward over every row's next tokens; -> logits of the positions that want
+        them [sum of the rows' logit_rows, vocab], and where a row asked for them, the
+        features of its wanted positions {layer: [sum of the rows' wanted, hidden]}."""
         device, block_size = self.device, self.pool.block_size
-        ids, positions, keep, offsets = [], [], [], []
+        ids, positions, keep, logit_keep, offsets = [], [], [], [], []
         for row in batch:
             seq, start, end = row.work.seq, row.start, row.start + row.n
             offsets.append(len(ids))
             keep += range(len(ids) + row.n - row.wanted, len(ids) + row.n)
+            logit_keep += range(len(ids) + row.n - row.logit_rows, len(ids) + row.n)
             ids += seq.tokens[start:end]
             positions += range(start, end)
         layers = tuple(sorted({layer for row in batch for layer in row.work.layers}))
         if self.static is not None and (out := self.static.run(batch, ids, positions, keep, layers)) is not None:
-            return out
+            logits, features = out
+            if len(logit_keep) < len(keep):  # each row's logit rows end its wanted ones
+                logits = logits[torch.from_numpy(np.searchsorted(keep, logit_keep)).to(logits.device)]
+            return logits, features
         # Each row with its offset in the packed tokens and the slots it reads, its own last.
         placed = [(row, offset, row.work.seq.slots(row.start + row.n, block_size, device))
                   for row, offset in zip(batch, offsets)]
         writes = [slots[row.start:] for row, _, slots in placed]
         plan = Plan(self.pool, writes[0] if len(writes) == 1 else torch.cat(writes), [], self.attention_dtype,
-                    [row.work for row in batch], end=max(positions) + 1, feature_layers=layers)
+                    [row.work for row in batch], end=max(positions) + 1, feature_layers=layers,
+                    feature_rows=torch.tensor(keep, dtype=torch.long, device=device) if layers else None)
         if self.kernel is not None:
             plan.kernel = self.kernel
             plan.table = (torch.nn.utils.rnn.pad_sequence([slots for _, _, slots in placed], batch_first=True),
@@ -76,7 +81,7 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.forward(self.model, torch.tensor([ids], device=device),
                                   torch.tensor([positions], device=device),
-                                  torch.tensor(keep, dtype=torch.long, device=device), plan)[0].float()
+                                  torch.tensor(logit_keep, dtype=torch.long, device=device), plan)[0].float()
         if device.type == "cuda":  # the pass's time is read right after: let it end first
             torch.cuda.synchronize(device)
         return logits, plan.features
@@ -293,8 +298,10 @@ def _static_pass(model, pool: KVPool, dtype: torch.dtype, ids, positions, writes
                  layers: tuple[int, ...] = ()):
     """A static pass: ids, positions, writes, lengths [t]; read [t, L] -> (logits [t, vocab],
     features [layers, t, hidden] or None)."""
-    plan = Plan(pool, writes, [], dtype, [], by_token=(read, lengths), end=end, feature_layers=layers)
-    logits = _llama_forward(model, ids[None], positions[None], torch.arange(len(ids), device=ids.device), plan)[0]
+    every = torch.arange(len(ids), device=ids.device)
+    plan = Plan(pool, writes, [], dtype, [], by_token=(read, lengths), end=end, feature_layers=layers,
+                feature_rows=every)
+    logits = _llama_forward(model, ids[None], positions[None], every, plan)[0]
     return logits, torch.stack([plan.features[layer] for layer in layers]) if layers else None
 
 
@@ -318,7 +325,7 @@ def _transformers_forward(model, ids, positions, keep, plan: Plan) -> torch.Tens
     out = model(input_ids=ids, position_ids=positions, logits_to_keep=keep, use_cache=False,
                 specdec_plan=plan, output_hidden_states=bool(plan.feature_layers))
     if plan.feature_layers:
-        plan.features = {layer: out.hidden_states[layer][0, keep] for layer in plan.feature_layers}
+        plan.features = {layer: out.hidden_states[layer][0, plan.feature_rows] for layer in plan.feature_layers}
     return out.logits
 
 
@@ -389,7 +396,7 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
         plan.features = {}
     for index, layer in enumerate(inner.layers):
         if index in plan.feature_layers:
-            plan.features[index] = h[0, keep]
+            plan.features[index] = h[0, plan.feature_rows]
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         shape = (*x.shape[:-1], -1, attn.head_dim)
@@ -419,7 +426,7 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
         else:
             h = h + mlp(x)
     if len(inner.layers) in plan.feature_layers:
-        plan.features[len(inner.layers)] = h[0, keep]
+        plan.features[len(inner.layers)] = h[0, plan.feature_rows]
     return model.lm_head(inner.norm(h)[:, keep])
 
 
@@ -488,11 +495,11 @@ def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, pla
         plan.features = {}
     for start, end in zip(bounds, bounds[1:]):
         if start in plan.feature_layers:
-            plan.features[start] = h[keep]
+            plan.features[start] = h[plan.feature_rows]
         h = stacks.get(start, end).forward(h, cos[0], sin[0], plan.pool.k[start:end], plan.pool.v[start:end],
                                            plan.write_slots, *plan.table, plan.stop)
         if h is None:
             raise Abandoned  # what the layers before it wrote lies past the rows' cached positions: not counted
     if stacks.count in plan.feature_layers:
-        plan.features[stacks.count] = h[keep]
+        plan.features[stacks.count] = h[plan.feature_rows]
     return model.lm_head(inner.norm(h[None])[:, keep])

@@ -31,7 +31,7 @@ class Pass:
 @dataclass(eq=False)
 class Work:
     seq: PagedSequence
-    last: int  # logits wanted for the last `last` tokens
+    last: int  # logits (and features, with `layers`) wanted for the last `last` tokens
     order: int
     again: bool = True  # the caller will submit again right after this
     # Decoding (Engine.decode): called on the engine's thread with the finished logits,
@@ -41,6 +41,9 @@ class Work:
     parts: list[torch.Tensor] = field(default_factory=list)  # logits from earlier chunks
     # The target's features wanted with the logits: at these layers (see Plan.feature_layers).
     layers: tuple[int, ...] = ()
+    # With layers, logits only for the last `logits_last` of those (None: all `last`): a
+    # prompt's features are wanted, not its logits, which cost the output head a row.
+    logits_last: int | None = None
     feature_parts: list[torch.Tensor] = field(default_factory=list)
     cancelled: bool = False
     in_pass: bool = False
@@ -53,11 +56,13 @@ class Work:
 @dataclass(eq=False)
 class Row:
     """A work's part of one pass: positions [start, start + n), of which the last
-    `wanted` need logits."""
+    `wanted` need logits (with the work's layers, features), and of those the last
+    `logit_rows` logits."""
     work: Work
     start: int
     n: int
     wanted: int
+    logit_rows: int
 
 
 class Scheduler:
@@ -73,8 +78,9 @@ class Scheduler:
         self.refused: list[Work] = []  # work whose session outgrew the whole pool (the engine fails it)
         self.orders = itertools.count(1)
 
-    def add(self, seq: PagedSequence, last: int, again: bool, then, layers: tuple[int, ...] = ()) -> Work:
-        work = Work(seq, last, next(self.orders), again, then, layers=layers)
+    def add(self, seq: PagedSequence, last: int, again: bool, then, layers: tuple[int, ...] = (),
+            logits_last: int | None = None) -> Work:
+        work = Work(seq, last, next(self.orders), again, then, layers=layers, logits_last=logits_last)
         self.queue.append(work)
         return work
 
@@ -128,7 +134,9 @@ class Scheduler:
                     self.refused.append(work)
                 continue
             first_wanted = len(seq.tokens) - work.last
-            batch.append(Row(work, seq.cached, n, max(0, min(n, seq.cached + n - first_wanted))))
+            first_logits = len(seq.tokens) - (work.last if work.logits_last is None else work.logits_last)
+            batch.append(Row(work, seq.cached, n, max(0, min(n, seq.cached + n - first_wanted)),
+                             max(0, min(n, seq.cached + n - first_logits))))
             in_pass.add(seq)
             budget -= n
         return batch

@@ -60,11 +60,13 @@ class PagedSequence(TokenSequence):
         self.engine.crop(self, kept)
         return kept
 
-    async def logits(self, last: int, again: bool = True, layers: tuple[int, ...] = ()):
+    async def logits(self, last: int, again: bool = True, layers: tuple[int, ...] = (),
+                     logits_last: int | None = None):
         """Computes what is not cached; -> (logits after each of the last `last` tokens
-        [last, vocab], the engine's Pass that finished them[, the features at `layers`]).
-        `again`: more calls follow soon (the engine may wait a moment for them to batch)."""
-        return await self.engine.forward(self, last, again, layers)
+        [last, vocab] (with `logits_last`, of that many of them), the engine's Pass that
+        finished them[, the features at `layers`]). `again`: more calls follow soon (the
+        engine may wait a moment for them to batch)."""
+        return await self.engine.forward(self, last, again, layers, logits_last)
 
     def decode(self, pick, layers: tuple[int, ...] = (), last: int = 1):
         """Decodes from here, one token per pass (Engine.decode)."""

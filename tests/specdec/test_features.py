@@ -33,7 +33,8 @@ def reference(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 def test_features_come_with_the_same_logits_bits(models, kind):
     """Features at LAYERS with the logits: the logits are those of a pass without them
     (the GGUF pass runs its layer kernel in pieces then), in one pass and in a prefill
-    cut into chunks, and a decode's features are one row a step, the position it computed."""
+    cut into chunks; features of more positions than logits cost the output head only
+    the logits; and a decode's features are one row a step, the position it computed."""
     model = models[0] if kind == "plain" else models[1]
     ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     engine = Engine(model, 16 << 20, threads=2, max_batch_tokens=16, prefix_caching=False)
@@ -51,6 +52,19 @@ def test_features_come_with_the_same_logits_bits(models, kind):
         torch.testing.assert_close(features[:, :3 * 576], hf, **tol)
         with torch.inference_mode():
             torch.testing.assert_close(model.model.norm(features[:, 3 * 576:]), last, **tol)
+
+        # A prompt's features without its logits: the output head sees only the rows asked
+        # for (before, every featured row went through it: 40 rows of 49152 logits here).
+        heads = []
+        hook = model.lm_head.register_forward_hook(lambda module, inputs, out: heads.append(inputs[0].shape[-2]))
+        try:
+            few = engine.new_sequence()
+            few.sync(0, ids)
+            got, _, kept = engine.submit(few, 40, layers=LAYERS + (30,), logits_last=3).future.result()
+        finally:
+            hook.remove()
+        assert torch.equal(got, want[-3:]) and torch.equal(kept, features)
+        assert sum(heads) == 3, heads
 
         async def decode():
             seq = engine.new_sequence()
