@@ -1,6 +1,6 @@
 """The shipped EAGLE-3 head for the default target: it assembles with the target's own
 embedding, and on held-out prompts (never trained on) its first draft agrees with the
-target's greedy token above a floor (its model card: 0.43 on 16 prompts x 128 tokens)."""
+target's greedy token above a floor (its model card: 0.45 on 16 prompts x 128 tokens)."""
 
 import torch
 
