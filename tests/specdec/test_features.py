@@ -65,6 +65,16 @@ def test_features_come_with_the_same_logits_bits(models, kind):
             hook.remove()
         assert torch.equal(got, want[-3:]) and torch.equal(kept, features)
         assert sum(heads) == 3, heads
+        if kind == "gguf":  # static passes (here eager, invariant ones) compute every row, then pick
+            static = Engine(model, 16 << 20, threads=2, prefix_caching=False, batch_invariant=8)
+            try:
+                few = static.new_sequence()
+                few.sync(0, ids)
+                got, _, kept = static.submit(few, 40, layers=LAYERS + (30,), logits_last=3).future.result()
+                assert static.runner.static is not None
+                assert torch.equal(got, want[-3:]) and torch.equal(kept, features)
+            finally:
+                static.stop()
 
         async def decode():
             seq = engine.new_sequence()
