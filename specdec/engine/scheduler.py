@@ -41,8 +41,8 @@ class Work:
     parts: list[torch.Tensor] = field(default_factory=list)  # logits from earlier chunks
     # The target's features wanted with the logits: at these layers (see Plan.feature_layers).
     layers: tuple[int, ...] = ()
-    # With layers, logits only for the last `logits_last` of those (None: all `last`): a
-    # prompt's features are wanted, not its logits, which cost the output head a row.
+    # Logits only for the last `logits_last` of the `last` (None: all): a prompt's features
+    # are wanted, not its logits, each of which costs the output head a row.
     logits_last: int | None = None
     feature_parts: list[torch.Tensor] = field(default_factory=list)
     cancelled: bool = False
