@@ -59,6 +59,8 @@ class EngineMetrics(Metrics):
                                                           "session (they recompute later)")
         self.prefix_tokens = of(self.counter, "kv_prefix_cached_tokens", "prompt tokens admitted with their keys "
                                 "and values already in the pool (prefix caching): not computed again")
+        self.feature_tokens = of(self.counter, "feature_cached_tokens", "prompt positions whose features (for "
+                                 "a feature drafter) came from the verifier's feature cache: not computed again")
         self.failed_passes = of(self.counter, "failed_passes", "forward passes that raised (their sessions resync)")
         self.sessions = of(self.gauge, "open_sessions", "sessions this service holds")
         self.queue = of(self.gauge, "queue_length", "calls waiting for a forward pass")

@@ -21,24 +21,27 @@ from specdec.engine import PagedSequence, Pass
 from specdec.errors import InvalidArgument
 from specdec.sampling import Draws
 from specdec.verifier.v1 import verifier_pb2
+from verifier_service.feature_cache import FeatureCache, join as join_features
 
 
-async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide: grammar.Guide | None = None
-                 ) -> tuple[int, int, Pass, common_pb2.Features | None]:
+async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide: grammar.Guide | None = None,
+                 cache: FeatureCache | None = None) -> tuple[int, int, Pass, common_pb2.Features | None]:
     """One round on a session: bring the cache to the committed history, run the target
     once over the new tokens and the drafts (in a pass shared with the other sessions
     ready at the same time), and apply the acceptance rule, to the target's distributions
     masked by the session's constraint (`guide`) where it has one. -> (accepted, the
-    target's token, the pass, the features asked for)."""
+    target's token, the pass, the features asked for: from `cache` where it holds them,
+    else from the pass)."""
     seq.sync(request.start, list(request.new_tokens))
     n = len(seq.tokens)  # committed length: drafts start here
     drafts = list(request.draft_tokens)
     masks = None if guide is None else constrained(guide, seq.tokens, request.start, drafts)
-    seq.extend(drafts)
     layers, first = tuple(request.features.layers), request.features.first_position
     rows = features = None
-    if layers:  # the features come from the pass's rows from `first` on: it computes them
-        logits, done, rows = await seq.logits(max(len(drafts) + 1, len(seq.tokens) - first), layers=layers,
+    held, cached = _cached_features(cache, layers, seq.tokens, first)
+    seq.extend(drafts)
+    if layers:  # the features the cache lacks come from the pass's rows: it computes them
+        logits, done, rows = await seq.logits(max(len(drafts) + 1, len(seq.tokens) - held), layers=layers,
                                               logits_last=len(drafts) + 1)
     else:
         logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
@@ -51,8 +54,21 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
     if rows is not None:
         # Positions [first, n + accepted): each one's next token is committed.
         computed_from = len(seq.tokens) - len(rows)
-        features = encode_features(first, rows[first - computed_from:n + accepted - computed_from])
+        fresh = encode_features(held, rows[held - computed_from:n + accepted - computed_from])
+        if cache is not None:
+            cache.store(layers, seq.tokens, fresh)
+        features = join_features(first, cached, fresh)
     return accepted, token, done, features, logprobs
+
+
+def _cached_features(cache: FeatureCache | None, layers: tuple[int, ...], committed: list[int],
+                     first: int) -> tuple[int, bytes]:
+    """(the position from which the pass must compute the features asked for, those of
+    the positions before it from `cache`). The last committed position is always computed:
+    a pass's logits come from it."""
+    if cache is None or not layers:
+        return first, b""
+    return cache.lookup(layers, committed, first, len(committed) - 1)
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> common_pb2.TokenLogprobs:
@@ -71,7 +87,8 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> common_pb2.Tok
 
 async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_positions: int,
                  guide: grammar.Guide | None = None, notes: collections.deque | None = None,
-                 session=None) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
+                 session=None, cache: FeatureCache | None = None
+                 ) -> AsyncIterator[tuple[int, Pass, common_pb2.Features | None]]:
     """The target alone on a session: bring the cache to the committed history, then a
     token per pass (each pass shared with the other sessions ready), each picked as a
     round without drafts would pick it (under the session's constraint, `guide`), until
@@ -82,7 +99,8 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     tokens is (one draft before any of the session's lookup drafts passed, then up to
     twice as many as its last lookup-drafted pass kept: `session.lookup_passed`, carried
     from run to run of a request).
-    With each token, the features asked for of the positions its pass computed; into
+    With each token, the features asked for of the positions its pass computed (the
+    first one's: those `cache` held, then those it computed); into
     `notes`, for each token in order: (whether it was a kept draft, the drafts its pass
     rejected where it is the pass's own token, its log-probabilities if asked)."""
     seq.sync(request.start, list(request.new_tokens))
@@ -146,11 +164,17 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
             async for token, done in steps:
                 yield token, done, None
         return
-    position = first  # of the first row of the next pass's features
-    async with contextlib.aclosing(seq.decode(pick, layers, len(seq.tokens) - first)) as steps:
+    position, cached = _cached_features(cache, layers, seq.tokens, first)  # of the next pass's first row
+    first_pass = True  # it computes the committed positions the cache lacks (a prompt, or its end)
+    async with contextlib.aclosing(seq.decode(pick, layers, len(seq.tokens) - position)) as steps:
         async for token, done, rows in steps:
-            yield token, done, encode_features(position, rows)
+            fresh = encode_features(position, rows)
             position += len(rows)
+            if first_pass:
+                if cache is not None:
+                    cache.store(layers, seq.tokens, fresh)
+                fresh, first_pass = join_features(first, cached, fresh), False
+            yield token, done, fresh
 
 
 def judge(logits: torch.Tensor, drafts: list[int], draft_probs: list[common_pb2.SparseDistribution],

@@ -19,6 +19,7 @@ from specdec.sessions import SessionStore
 from specdec.validation import check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.acceptance import decode, verify
+from verifier_service.feature_cache import FeatureCache
 
 log = logging.getLogger("verifier")
 
@@ -80,6 +81,7 @@ def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> N
 class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
     pb = verifier_pb2
     vocab: grammar.Vocabulary | grammar.NoVocabulary | None = None  # the target's tokens as constraints match them
+    feature_cache: FeatureCache | None = None  # prompt blocks' features, for feature drafters' requests
 
     async def guide(self, request, session) -> grammar.Guide | None:
         """The session's constraint: a call with start = 0 sets it (compiled off the event
@@ -131,7 +133,8 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             with tracing.server_span("verifier.Verify", context, session_id=request.session_id,
                                      new_tokens=len(request.new_tokens), drafts=len(request.draft_tokens)) as span:
                 async with self.model_work(session) as seq:
-                    a, t, done, features, logprobs = await verify(seq, request, await self.guide(request, session))
+                    a, t, done, features, logprobs = await verify(seq, request, await self.guide(request, session),
+                                                                   self.feature_cache)
                 span.set_attributes({"accepted": a, "batch_rows": done.rows})
             return verifier_pb2.VerifyResponse(num_accepted=a, next_token=t, batch_pass=batch_pass(done),
                                                features=features, logprobs=logprobs)
@@ -166,7 +169,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                     # before another call may touch the session.
                     notes = collections.deque()  # filled on the engine's thread, in token order
                     async with contextlib.aclosing(decode(seq, request, self.info.max_positions, guide,
-                                                          notes, session)) as steps:
+                                                          notes, session, self.feature_cache)) as steps:
                         async for token, done, features in steps:
                             drafted, rejected, logprobs = notes.popleft()
                             yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done),
@@ -182,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(parser, "--model", env="SPECDEC_VERIFIER_MODEL", default=modeling.DEFAULT_TARGET,
               help="target model: a directory, a hub id, a .gguf file, or the embedded default")
     flags.add_session_service_flags(parser, "SPECDEC_VERIFIER")
+    flags.add(parser, "--feature-cache-bytes", env="SPECDEC_VERIFIER_FEATURE_CACHE_BYTES", type=flags.byte_size,
+              default="64MiB", help="memory for the target's features of prompt blocks, which feature drafters "
+              "read: a prompt that starts as an earlier one's takes them with its prefix-cached keys and values "
+              "(0: off; with prefix caching only)")
     return parser
 
 
@@ -198,6 +205,8 @@ async def serve(args, on_listen=None) -> None:
         info = modeling.model_info(model, tokenizer, args.model, "target")
         info.numerics = engine.numerics
         info.num_layers, info.hidden_size = model.config.num_hidden_layers, model.config.hidden_size
+        servicer.feature_cache = FeatureCache(args.feature_cache_bytes if args.prefix_caching else 0,
+                                              engine.pool.block_size, metrics.feature_tokens)
         servicer.vocab = await asyncio.to_thread(grammar.vocabulary, tokenizer, info.vocab_size,
                                                  list(info.eos_token_ids))
         # Warm up: a prefill and a multi-token pass, so the first request is not slow.

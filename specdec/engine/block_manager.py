@@ -33,6 +33,16 @@ from specdec.engine.sequence import PagedSequence
 log = logging.getLogger(__name__)
 
 
+def prefix_digests(tokens: list[int], block_size: int, start: list[bytes] = ()) -> list[bytes]:
+    """The prefix digests of tokens' full blocks, after `start` (the digests held): each
+    block's from the one before it and its own tokens."""
+    out = list(start)
+    for i in range(len(out), len(tokens) // block_size):
+        block = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
+        out.append(hashlib.sha256((out[-1] if out else b"") + block).digest())
+    return out
+
+
 class KVPool:
     """Keys and values of every session of one model: per layer, [slots, kv_heads,
     head_dim], in blocks of `block_size` slots. Block 0 is never handed out; its first
@@ -93,14 +103,6 @@ class BlockManager:
         """Could the whole pool hold seq?"""
         return self.pool.blocks_for(len(seq.tokens)) <= self.pool.capacity
 
-    def _hashes(self, tokens: list[int], start: list[bytes]) -> list[bytes]:
-        """The prefix digests of tokens' full blocks, after `start` (the digests held)."""
-        bs, out = self.pool.block_size, list(start)
-        for i in range(len(start), len(tokens) // bs):
-            out.append(hashlib.sha256((out[-1] if out else b"") + array("q", tokens[i * bs:(i + 1) * bs]).tobytes())
-                       .digest())
-        return out
-
     def _take(self, n: int) -> list[int]:
         assert n <= self.available
         taken = []
@@ -128,7 +130,7 @@ class BlockManager:
     def admit(self, seq: PagedSequence, limit: int) -> bool:
         """Blocks for all of seq's tokens, if the pool has them; the cached blocks of its
         longest known prefix of at most `limit` tokens come as they are."""
-        hashes = self._hashes(seq.tokens[:limit], []) if self.prefix_caching else []
+        hashes = prefix_digests(seq.tokens[:limit], self.pool.block_size) if self.prefix_caching else []
         shared, bs = [], self.pool.block_size
         for i, h in enumerate(hashes):
             block = self.cached.get(h)
@@ -193,7 +195,7 @@ class BlockManager:
         if full <= len(seq.hashes):
             return
         known = len(seq.hashes)
-        seq.hashes = self._hashes(seq.tokens[:full * self.pool.block_size], seq.hashes)
+        seq.hashes = prefix_digests(seq.tokens[:full * self.pool.block_size], self.pool.block_size, seq.hashes)
         bs = self.pool.block_size
         for i, (block, h) in enumerate(zip(seq.blocks[known:full], seq.hashes[known:]), known):
             if block not in self.hash_of and h not in self.cached:  # else another block holds the same

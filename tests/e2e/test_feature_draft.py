@@ -91,6 +91,34 @@ def test_a_killed_drafter_fails_over_and_the_output_is_unchanged(deployment, cas
     assert result.stats.drafter_failovers == 1  # it was on the killed replica, and moved once
 
 
+def test_a_prompt_shared_with_an_earlier_one_takes_its_features_with_its_keys_and_values(deployment):
+    """The verifier keeps prompt blocks' features beside the prefix cache's keys and
+    values: a second session with the same prompt computes only its last, partial block,
+    in a Verify or a Decode, and gets the features the first one got: those of the cached
+    blocks to the bit, the rest as close as these numerics give a row beside other rows
+    (the GGUF kernels `specdec up` runs: the same bits; float32 here: a few 1e-4)."""
+    stub = deployment.verifier_stub(deployment.roles["verifier"])
+    prompt = [(7919 * i) % 49000 + 17 for i in range(45)]  # no other test's: the cache has none of it
+    asked = verifier_pb2.FeatureRequest(layers=[2, 15, 27], first_position=0)
+    first = stub.Verify(verifier_pb2.VerifyRequest(session_id="cache-a", start=0, new_tokens=prompt,
+                                                   features=asked, sampling=GREEDY), timeout=30)
+    again = stub.Verify(verifier_pb2.VerifyRequest(session_id="cache-b", start=0, new_tokens=prompt,
+                                                   features=asked, sampling=GREEDY), timeout=30)
+    run = next(iter(stub.Decode(verifier_pb2.DecodeRequest(session_id="cache-c", start=0, new_tokens=prompt,
+                                                           features=asked, sampling=GREEDY, max_tokens=1),
+                                timeout=30)))
+    assert first.batch_pass.tokens == len(prompt)
+    # Blocks of 16: [0, 32) came from the caches; 44 is computed for its logits.
+    assert again.batch_pass.tokens == run.batch_pass.tokens == len(prompt) - 32
+    assert first.next_token == again.next_token == run.token_id
+    cached = 32 * 3 * 576 * 2
+    for response in (again, run):
+        assert (response.features.start, response.features.rows) == (0, len(prompt))
+        assert response.features.data[:cached] == first.features.data[:cached]
+        np.testing.assert_allclose(np.frombuffer(response.features.data[cached:], dtype="<f2"),
+                                   np.frombuffer(first.features.data[cached:], dtype="<f2"), rtol=1e-2, atol=1e-2)
+
+
 def features(rows: int, width: int, start: int = 0) -> common_pb2.Features:
     return common_pb2.Features(start=start, rows=rows, width=width,
                                data=np.zeros(rows * width, dtype="<f2").tobytes())

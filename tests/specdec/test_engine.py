@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cluster import as_tested
 from passes import logits_by_forward
 from specdec.engine import Engine, TokenSequence
+from specdec.engine.block_manager import prefix_digests
 from specdec.errors import NeedsResync, Overloaded
 
 VOCAB = 300
@@ -597,7 +598,7 @@ def test_a_prefix_hit_whose_key_collides_serves_nothing_of_another_prompt(models
     first, second = eng.new_sequence(), eng.new_sequence()
     first.sync(0, tokens(20, 46))
     eng.forward_now(first, 1)
-    forged = eng.blocks._hashes(tokens(20, 47)[:16], [])[0]  # the key the second prompt's block has
+    forged = prefix_digests(tokens(20, 47)[:16], 16)[0]  # the key the second prompt's block has
     with eng.cond:  # as if first's block had been registered under it
         eng.blocks.cached[forged] = first.blocks[0]
         eng.blocks.hash_of[first.blocks[0]] = forged
@@ -608,14 +609,10 @@ def test_a_prefix_hit_whose_key_collides_serves_nothing_of_another_prompt(models
 
 
 def test_prefix_keys_are_digests_of_every_token_before():
-    from specdec.engine.block_manager import BlockManager, KVPool
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
-    blocks = BlockManager(KVPool(config, 1 << 20, torch.float32, "cpu"))
-    a = blocks._hashes(list(range(48)), [])
-    assert all(isinstance(h, bytes) and len(h) == 32 for h in a)  # SHA-256
-    assert blocks._hashes(list(range(48)), a[:1]) == a
-    b = blocks._hashes([99] + list(range(1, 48)), [])
+    a = prefix_digests(list(range(48)), 16)
+    assert len(a) == 3 and all(isinstance(h, bytes) and len(h) == 32 for h in a)  # SHA-256
+    assert prefix_digests(list(range(48)), 16, a[:1]) == a
+    b = prefix_digests([99] + list(range(1, 48)), 16)
     assert all(x != y for x, y in zip(a, b))  # a changed first token changes every later key
 
 
