@@ -17,6 +17,7 @@ from aiohttp import web
 
 from specdec import security
 from specdec.grammar import JSON_OPTIONS as JSON_SHAPE
+from specdec.sampling import MAX_SAMPLES
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger("orchestrator.http")
@@ -136,8 +137,8 @@ class OpenAIFront:
             raise Refused(grpc.StatusCode.NOT_FOUND, f"model: {model!r} is not served here; this server serves "
                                                      f"{self.model_name!r} (GET /v1/models)", "model")
         n = _field(body, "n", int, 1)
-        if not 1 <= n <= MAX_CHOICES:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"n: in [1, {MAX_CHOICES}]", "n")
+        if not 1 <= n <= MAX_SAMPLES:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"n: in [1, {MAX_SAMPLES}]", "n")
         for name, value in body.items():
             if name in HONOURED:
                 continue
@@ -394,7 +395,6 @@ class OpenAIFront:
         return response
 
 
-MAX_CHOICES = 16
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 

@@ -39,7 +39,6 @@ MAX_STOP_LENGTH = 256  # characters; the text stream holds back up to this much
 PLACEMENT_WAIT_S = 20.0  # how long ScaleDrafters waits to tell placed replicas from pending ones
 MAX_REQUEST_ID = 128
 MAX_TOP_LOGPROBS = 20
-MAX_SAMPLES = 16  # GenerateRequest.n
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # tool: a function's result, as the chat template shows it
 
 
@@ -194,8 +193,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         they come, each marked with its sample's index: sample i draws with seed + i (a
         random seed where the request has none), so a seed reproduces them all. Each is a
         request of its own to admission and the services; a failed one ends them all."""
-        if not 1 <= request.n <= MAX_SAMPLES:
-            await abort(context, InvalidArgument("n", f"must be in [1, {MAX_SAMPLES}], got {request.n}"))
+        if not 1 <= request.n <= sampling.MAX_SAMPLES:
+            await abort(context, InvalidArgument("n", f"must be in [1, {sampling.MAX_SAMPLES}], got {request.n}"))
         seed = request.seed if request.HasField("seed") else random.getrandbits(62)
         events: asyncio.Queue = asyncio.Queue()
 

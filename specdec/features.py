@@ -49,7 +49,9 @@ class Window:
         self.size = size
         self.start = 0  # position of the first row held
         self.width = 0
-        self.data = b""
+        # Appended to and cut from the front in place (a bytearray moves its start on a
+        # front cut): an add costs its own rows, not the window's.
+        self.data = bytearray()
 
     @property
     def end(self) -> int:
@@ -63,10 +65,11 @@ class Window:
             return
         row = features.width * BYTES
         if self.width != features.width or features.start > self.end or features.start < self.start:
-            self.start, self.width, self.data = features.start, features.width, b""  # a gap: start again
-        self.data = self.data[:(features.start - self.start) * row] + features.data
+            self.start, self.width, self.data = features.start, features.width, bytearray()  # a gap: start again
+        del self.data[(features.start - self.start) * row:]
+        self.data += features.data
         if (over := len(self.data) // row - self.size) > 0:
-            self.data = self.data[over * row:]
+            del self.data[:over * row]
             self.start += over
 
     def since(self, position: int, end: int) -> common_pb2.Features | None:
@@ -75,9 +78,9 @@ class Window:
             return None
         row = self.width * BYTES
         return common_pb2.Features(start=position, rows=end - position, width=self.width,
-                                   data=self.data[(position - self.start) * row:(end - self.start) * row])
+                                   data=bytes(self.data[(position - self.start) * row:(end - self.start) * row]))
 
     def crop(self, end: int) -> None:
         """Forgets the positions from `end` on."""
         if self.width and end < self.end:
-            self.data = self.data[:max(0, end - self.start) * self.width * BYTES]
+            del self.data[max(0, end - self.start) * self.width * BYTES:]

@@ -55,6 +55,7 @@ def validate(params: common_pb2.SamplingParams, field: str = "sampling", vocab_s
 MAX_PENALTY = 2.0
 MAX_BIAS = 100.0
 MAX_BIASED_TOKENS = 1024
+MAX_SAMPLES = 16  # independent samples of one request (GenerateRequest.n, OpenAI's n)
 
 
 def check_penalties(params: common_pb2.SamplingParams, prefix: str = "", vocab_size: int = 0) -> None:
