@@ -22,6 +22,7 @@ class Session:
     guide: Any = None  # the verifier's output constraint (specdec.grammar.Guide), set at start = 0
     lookup_passed: int | None = None  # the verifier's in-run lookup: what its last lookup drafts kept
     lookup_index: Any = None  # and its index of the committed tokens (specdec.lookup.LookupIndex)
+    pending_features: Any = None  # the verifier's features of the session since its last whole block
 
 
 class SessionStore:

@@ -21,17 +21,19 @@ from specdec.engine import PagedSequence, Pass
 from specdec.errors import InvalidArgument
 from specdec.sampling import Draws
 from specdec.verifier.v1 import verifier_pb2
-from verifier_service.feature_cache import FeatureCache, join as join_features
+from verifier_service.feature_cache import FeatureCache, Pending, join as join_features
 
 
 async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide: grammar.Guide | None = None,
-                 cache: FeatureCache | None = None) -> tuple[int, int, Pass, common_pb2.Features | None]:
+                 cache: FeatureCache | None = None, session=None
+                 ) -> tuple[int, int, Pass, common_pb2.Features | None]:
     """One round on a session: bring the cache to the committed history, run the target
     once over the new tokens and the drafts (in a pass shared with the other sessions
     ready at the same time), and apply the acceptance rule, to the target's distributions
     masked by the session's constraint (`guide`) where it has one. -> (accepted, the
     target's token, the pass, the features asked for: from `cache` where it holds them,
-    else from the pass)."""
+    else from the pass; the session's whole blocks of them join it)."""
+    tail = _pending(cache, session, request)
     seq.sync(request.start, list(request.new_tokens))
     n = len(seq.tokens)  # committed length: drafts start here
     drafts = list(request.draft_tokens)
@@ -56,9 +58,20 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
         computed_from = len(seq.tokens) - len(rows)
         fresh = encode_features(held, rows[held - computed_from:n + accepted - computed_from])
         if cache is not None:
-            cache.store(layers, seq.tokens, fresh)
+            cache.store(layers, seq.tokens, fresh, tail)
         features = join_features(first, cached, fresh)
     return accepted, token, done, features, logprobs
+
+
+def _pending(cache: FeatureCache | None, session, request) -> Pending | None:
+    """The session's features since its last whole block (for `cache`), as far as the
+    call's start keeps them."""
+    if cache is None or session is None or not request.features.layers:
+        return None
+    if session.pending_features is None:
+        session.pending_features = Pending()
+    session.pending_features.crop(request.start, cache.block_size)
+    return session.pending_features
 
 
 def _cached_features(cache: FeatureCache | None, layers: tuple[int, ...], committed: list[int],
@@ -103,6 +116,7 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     first one's: those `cache` held, then those it computed); into
     `notes`, for each token in order: (whether it was a kept draft, the drafts its pass
     rejected where it is the pass's own token, its log-probabilities if asked)."""
+    tail = _pending(cache, session, request)
     seq.sync(request.start, list(request.new_tokens))
     if guide is not None:
         constrained(guide, seq.tokens, request.start, [])
@@ -170,9 +184,9 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
         async for token, done, rows in steps:
             fresh = encode_features(position, rows)
             position += len(rows)
+            if cache is not None:
+                cache.store(layers, seq.tokens, fresh, tail)
             if first_pass:
-                if cache is not None:
-                    cache.store(layers, seq.tokens, fresh)
                 fresh, first_pass = join_features(first, cached, fresh), False
             yield token, done, fresh
 

@@ -46,26 +46,72 @@ class FeatureCache:
             self.metric.inc(stop - first)
         return stop, b"".join(parts)
 
-    def store(self, layers: tuple[int, ...], tokens: list[int], features: common_pb2.Features) -> None:
-        """Keeps the full blocks of `features` (rows of committed positions of `tokens`)."""
+    def store(self, layers: tuple[int, ...], tokens: list[int], features: common_pb2.Features,
+              pending: "Pending | None" = None) -> None:
+        """Keeps the whole blocks of `features` (rows of committed positions of `tokens`);
+        with `pending`, the session's rows since its last whole block come first, and the
+        rows after its new last whole block wait there for the next call's."""
         bs = self.block_size
-        begin, end = -(-features.start // bs), (features.start + features.rows) // bs  # whole blocks
-        if not self.budget or begin >= end:
+        if not self.budget or not features.rows:
             return
         row = features.width * BYTES
-        digests = prefix_digests(tokens[:end * bs], bs)
+        start, data = features.start, features.data
+        if pending is not None:
+            start, data = pending.take(layers, features, row, bs)
+        begin, end = -(-start // bs), (start + len(data) // row) // bs  # whole blocks
+        if begin >= end:
+            return
+        digests = prefix_digests(tokens[:end * bs], bs, pending.digests if pending is not None else [])
+        if pending is not None:
+            pending.digests = digests
         for i in range(begin, end):
             key = (layers, digests[i])
             if key in self.blocks:
                 self.blocks.move_to_end(key)
                 continue
-            at = (i * bs - features.start) * row
-            data = features.data[at:at + bs * row]
-            self.blocks[key] = (tuple(tokens[i * bs:(i + 1) * bs]), data)
-            self.bytes += len(data)
+            at = (i * bs - start) * row
+            block = bytes(data[at:at + bs * row])
+            self.blocks[key] = (tuple(tokens[i * bs:(i + 1) * bs]), block)
+            self.bytes += len(block)
         while self.bytes > self.budget and self.blocks:
-            _, (_, data) = self.blocks.popitem(last=False)
-            self.bytes -= len(data)
+            _, (_, block) = self.blocks.popitem(last=False)
+            self.bytes -= len(block)
+
+
+class Pending:
+    """A session's features since its last whole block, and the prefix digests of its
+    tokens' blocks so far: a session whose features come a few rows a call (each round's,
+    each step of a run) adds its output's blocks to the cache too, for the next turn of a
+    chat, which sends them back as its prompt."""
+
+    def __init__(self):
+        self.layers: tuple[int, ...] = ()
+        self.start = 0
+        self.data = bytearray()
+        self.row = 0  # bytes a position
+        self.digests: list[bytes] = []
+
+    def crop(self, position: int, block_size: int) -> None:
+        """The session's tokens from `position` on may change (a call's start)."""
+        del self.digests[position // block_size:]
+        if self.data and position < self.start + len(self.data) // self.row:
+            del self.data[max(0, position - self.start) * self.row:]
+
+    def take(self, layers: tuple[int, ...], features: common_pb2.Features, row: int, bs: int
+             ) -> tuple[int, bytearray]:
+        """The rows held and then `features` (which replace those held from their start
+        on): (their first position, their data); it keeps those after the last whole block."""
+        self.row = row
+        end = self.start + len(self.data) // row
+        if layers != self.layers or not self.start <= features.start <= end:
+            self.layers, self.start, self.data = layers, features.start, bytearray()  # a gap: start again
+        del self.data[(features.start - self.start) * row:]
+        self.data += features.data
+        start, data = self.start, self.data
+        last = (start + len(data) // row) // bs * bs  # where the rows after the last whole block begin
+        if last > start:
+            self.start, self.data = last, bytearray(data[(last - start) * row:])
+        return start, data
 
 
 def join(start: int, cached: bytes, computed: common_pb2.Features) -> common_pb2.Features:

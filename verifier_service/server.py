@@ -134,7 +134,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                                      new_tokens=len(request.new_tokens), drafts=len(request.draft_tokens)) as span:
                 async with self.model_work(session) as seq:
                     a, t, done, features, logprobs = await verify(seq, request, await self.guide(request, session),
-                                                                   self.feature_cache)
+                                                                   self.feature_cache, session)
                 span.set_attributes({"accepted": a, "batch_rows": done.rows})
             return verifier_pb2.VerifyResponse(num_accepted=a, next_token=t, batch_pass=batch_pass(done),
                                                features=features, logprobs=logprobs)

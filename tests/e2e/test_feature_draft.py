@@ -119,6 +119,25 @@ def test_a_prompt_shared_with_an_earlier_one_takes_its_features_with_its_keys_an
                                    np.frombuffer(first.features.data[cached:], dtype="<f2"), rtol=1e-2, atol=1e-2)
 
 
+def test_a_chats_next_turn_takes_the_features_of_the_answer_before(deployment):
+    """The features a run sends a step at a time join the cache a block at a time: the
+    next turn, which sends the answer back in its prompt, computes only what follows it."""
+    stub = deployment.verifier_stub(deployment.roles["verifier"])
+    prompt = [(7907 * i) % 49000 + 23 for i in range(45)]  # no other test's
+    asked = verifier_pb2.FeatureRequest(layers=[2, 15, 27], first_position=0)
+    run = list(stub.Decode(verifier_pb2.DecodeRequest(session_id="turn-1", start=0, new_tokens=prompt,
+                                                      features=asked, sampling=GREEDY, max_tokens=40), timeout=60))
+    answer = [m.token_id for m in run]
+    sent = b"".join(m.features.data for m in run)  # positions [0, 45 + len(answer) - 1): the last is not computed
+    turn = prompt + answer + [(7907 * i) % 49000 + 29 for i in range(10)]
+    held = (len(prompt) + len(answer) - 1) // 16 * 16
+    again = stub.Verify(verifier_pb2.VerifyRequest(session_id="turn-2", start=0, new_tokens=turn, features=asked,
+                                                   sampling=GREEDY), timeout=60)
+    assert held >= 64 and again.batch_pass.tokens == len(turn) - held
+    row = 3 * 576 * 2
+    assert again.features.rows == len(turn) and again.features.data[:held * row] == sent[:held * row]
+
+
 def features(rows: int, width: int, start: int = 0) -> common_pb2.Features:
     return common_pb2.Features(start=start, rows=rows, width=width,
                                data=np.zeros(rows * width, dtype="<f2").tobytes())

@@ -6,7 +6,7 @@ import numpy as np
 
 from specdec.common.v1 import common_pb2
 from specdec.engine.block_manager import prefix_digests
-from verifier_service.feature_cache import FeatureCache, join
+from verifier_service.feature_cache import FeatureCache, Pending, join
 
 BS, WIDTH, LAYERS = 4, 3, (2, 5)
 
@@ -56,3 +56,19 @@ def test_the_least_recently_used_blocks_go_past_the_budget():
     assert cache.lookup(LAYERS, a + [0], 0, 8)[0] == 4  # a's second block went
     assert cache.lookup(LAYERS, b + [0], 0, 8)[0] == 8
     assert FeatureCache(0, BS).lookup(LAYERS, b, 0, 8) == (0, b"")  # a budget of 0: off
+
+
+def test_rows_that_come_a_few_a_call_join_the_cache_a_whole_block_at_a_time():
+    cache, pending, tokens = FeatureCache(1 << 20, BS), Pending(), list(range(100, 130))
+    for start, end in [(2, 3), (3, 6), (6, 7), (7, 11)]:  # a prompt's end, then a round or a step at a time
+        pending.crop(start, BS)
+        cache.store(LAYERS, tokens, rows(start, end), pending)
+    assert cache.lookup(LAYERS, tokens, 4, 29)[0] == 8  # [4, 8) whole; [0, 4) never came whole
+    assert (pending.start, positions(pending.data)) == (8, [8, 9, 10])
+    # A call from position 9 (a resync: the tokens after it may differ) keeps only 8.
+    pending.crop(9, BS)
+    tokens[9:] = range(900, 921)
+    cache.store(LAYERS, tokens, rows(9, 13), pending)
+    stop, data = cache.lookup(LAYERS, tokens, 4, 29)
+    assert stop == 12 and positions(data) == list(range(4, 12))
+    assert cache.lookup(LAYERS, list(range(100, 130)), 8, 29) == (8, b"")  # the old tokens' block never came
