@@ -1,7 +1,8 @@
-"""The target's features of prompt blocks, kept after their sessions end: the prefix
-cache keeps a shared prompt's keys and values, this keeps the features feature drafters
-read of it, so a request whose prompt starts as an earlier one's (a system prompt, the
-chat template, a chat's earlier turns) is not computed whole again for them.
+"""The target's features of the blocks sessions computed, kept after the sessions end:
+the prefix cache keeps a shared prefix's keys and values, this keeps the features that
+feature drafters read of it, so a request whose prompt starts as an earlier one's (the
+chat template, a system prompt, a chat's earlier turns and answers) is not computed
+whole again for them.
 
 Blocks are the KV pool's (block_size positions), known by the same prefix digests
 (`prefix_digests`) and the layers they hold, and their tokens are compared on every hit.
@@ -23,7 +24,6 @@ class FeatureCache:
         # (layers, prefix digest) -> (the block's tokens, its rows as float16 bytes)
         self.blocks: OrderedDict[tuple[tuple[int, ...], bytes], tuple[tuple[int, ...], bytes]] = OrderedDict()
         self.bytes = 0
-        self.served = 0  # positions whose features came from here
 
     def lookup(self, layers: tuple[int, ...], tokens: list[int], first: int, end: int) -> tuple[int, bytes]:
         """The features held of positions [first, stop) for the largest stop <= end, as
@@ -41,7 +41,6 @@ class FeatureCache:
             row = len(held[1]) // bs
             parts.append(held[1][(stop - i * bs) * row:])
             stop = (i + 1) * bs
-        self.served += stop - first
         if self.metric is not None and stop > first:
             self.metric.inc(stop - first)
         return stop, b"".join(parts)
