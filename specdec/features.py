@@ -42,10 +42,11 @@ def check(field: str, features: common_pb2.Features, width: int | None = None) -
 
 
 class Window:
-    """A request's features of its last `size` positions, what a drafter that lost the
-    session needs to draft again (its attention reads no further back)."""
+    """A request's features of its last `size` positions (None: all since the first one
+    held), what a drafter that lost the session needs to draft again (its attention reads
+    no further back)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int | None):
         self.size = size
         self.start = 0  # position of the first row held
         self.width = 0
@@ -68,9 +69,8 @@ class Window:
             self.start, self.width, self.data = features.start, features.width, bytearray()  # a gap: start again
         del self.data[(features.start - self.start) * row:]
         self.data += features.data
-        if (over := len(self.data) // row - self.size) > 0:
-            del self.data[:over * row]
-            self.start += over
+        if self.size is not None and (over := len(self.data) // row - self.size) > 0:
+            self.cut(self.start + over)
 
     def since(self, position: int, end: int) -> common_pb2.Features | None:
         """The rows of positions [position, end), or None where the window lacks one of them."""
@@ -79,6 +79,13 @@ class Window:
         row = self.width * BYTES
         return common_pb2.Features(start=position, rows=end - position, width=self.width,
                                    data=bytes(self.data[(position - self.start) * row:(end - self.start) * row]))
+
+    def cut(self, position: int) -> None:
+        """Forgets the positions before `position`."""
+        if self.width and position > self.start:
+            n = min(position, self.end) - self.start
+            del self.data[:n * self.width * BYTES]
+            self.start += n
 
     def crop(self, end: int) -> None:
         """Forgets the positions from `end` on."""

@@ -66,7 +66,7 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
 def _pending(cache: FeatureCache | None, session, request) -> Pending | None:
     """The session's features since its last whole block (for `cache`), as far as the
     call's start keeps them."""
-    if cache is None or session is None or not request.features.layers:
+    if cache is None or not cache.budget or session is None or not request.features.layers:
         return None
     if session.pending_features is None:
         session.pending_features = Pending()

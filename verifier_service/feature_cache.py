@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from specdec.common.v1 import common_pb2
 from specdec.engine.block_manager import prefix_digests
-from specdec.features import BYTES
+from specdec.features import BYTES, Window
 
 
 class FeatureCache:
@@ -56,13 +56,12 @@ class FeatureCache:
         row = features.width * BYTES
         start, data = features.start, features.data
         if pending is not None:
-            start, data = pending.take(layers, features, row, bs)
+            pending.add(layers, features)
+            start, data = pending.rows.start, pending.rows.data
         begin, end = -(-start // bs), (start + len(data) // row) // bs  # whole blocks
         if begin >= end:
             return
         digests = prefix_digests(tokens[:end * bs], bs, pending.digests if pending is not None else [])
-        if pending is not None:
-            pending.digests = digests
         for i in range(begin, end):
             key = (layers, digests[i])
             if key in self.blocks:
@@ -75,6 +74,9 @@ class FeatureCache:
         while self.bytes > self.budget and self.blocks:
             _, (_, block) = self.blocks.popitem(last=False)
             self.bytes -= len(block)
+        if pending is not None:
+            pending.digests = digests
+            pending.rows.cut(end * bs)  # the rows after the last whole block wait for the next call's
 
 
 class Pending:
@@ -85,32 +87,19 @@ class Pending:
 
     def __init__(self):
         self.layers: tuple[int, ...] = ()
-        self.start = 0
-        self.data = bytearray()
-        self.row = 0  # bytes a position
+        self.rows = Window(None)
         self.digests: list[bytes] = []
 
     def crop(self, position: int, block_size: int) -> None:
         """The session's tokens from `position` on may change (a call's start)."""
         del self.digests[position // block_size:]
-        if self.data and position < self.start + len(self.data) // self.row:
-            del self.data[max(0, position - self.start) * self.row:]
+        self.rows.crop(position)
 
-    def take(self, layers: tuple[int, ...], features: common_pb2.Features, row: int, bs: int
-             ) -> tuple[int, bytearray]:
-        """The rows held and then `features` (which replace those held from their start
-        on): (their first position, their data); it keeps those after the last whole block."""
-        self.row = row
-        end = self.start + len(self.data) // row
-        if layers != self.layers or not self.start <= features.start <= end:
-            self.layers, self.start, self.data = layers, features.start, bytearray()  # a gap: start again
-        del self.data[(features.start - self.start) * row:]
-        self.data += features.data
-        start, data = self.start, self.data
-        last = (start + len(data) // row) // bs * bs  # where the rows after the last whole block begin
-        if last > start:
-            self.start, self.data = last, bytearray(data[(last - start) * row:])
-        return start, data
+    def add(self, layers: tuple[int, ...], rows: common_pb2.Features) -> None:
+        """`rows` after those held (they replace those held from their start on)."""
+        if layers != self.layers:
+            self.layers, self.rows = layers, Window(None)
+        self.rows.add(rows)
 
 
 def join(start: int, cached: bytes, computed: common_pb2.Features) -> common_pb2.Features:

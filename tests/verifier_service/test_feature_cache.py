@@ -64,7 +64,7 @@ def test_rows_that_come_a_few_a_call_join_the_cache_a_whole_block_at_a_time():
         pending.crop(start, BS)
         cache.store(LAYERS, tokens, rows(start, end), pending)
     assert cache.lookup(LAYERS, tokens, 4, 29)[0] == 8  # [4, 8) whole; [0, 4) never came whole
-    assert (pending.start, positions(pending.data)) == (8, [8, 9, 10])
+    assert (pending.rows.start, positions(pending.rows.data)) == (8, [8, 9, 10])
     # A call from position 9 (a resync: the tokens after it may differ) keeps only 8.
     pending.crop(9, BS)
     tokens[9:] = range(900, 921)
