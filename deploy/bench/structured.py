@@ -15,6 +15,12 @@ benchmark's reason). With --llama-cpp DIR, the same token ids through llama.cpp'
 the same GGUF with its `json_schema`, the same client loop (its numerics: its outputs are
 checked against the schema, not against ours).
 
+With --concurrency N (N > 1), then under load: every prompt from N clients at once, one
+fresh deployment per pass (the deployment keeps outputs for lookup drafts: a pass must
+not draft from another pass's outputs), the defaults and K = 0 under the schema
+alternated --load-runs times; tokens per second over each pass's wall clock, and whether
+each output equals the sequential K = 0 one.
+
 Reports, per task and over all: the speedup of the defaults over K = 0 (tokens per
 second after the first token, as bench-repeat; and whole-request time), the cost of the
 constraint at K = 0 (seconds per token after the first, constrained over free), how many
@@ -25,6 +31,7 @@ import argparse
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -101,6 +108,45 @@ def _rate(run: dict) -> float:
 
 def _per_token(run: dict) -> float:
     return run["after_s"] / run["after_tokens"] if run["after_tokens"] else 0.0
+
+
+def under_load(args, workload: list[dict], reference: list[list[int]]) -> list[dict]:
+    """Each pass: all of `workload` from `args.concurrency` clients at once, on a fresh
+    deployment, the defaults and K = 0 (constrained) alternated."""
+    passes = []
+    for run in range(args.load_runs):
+        for variant, k in (("defaults", None), ("k0", 0)):
+            with harness.running(harness.plan(args), log_dir=harness.log_dir(args)) as (services,), \
+                    harness.orchestrator(services) as stub:
+                constrained(stub, "Say hello.", 0, {"type": "object"}, args.max_new_tokens)  # set-up
+                started = time.perf_counter()
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    outs = list(pool.map(lambda item: constrained(stub, item["prompt"], k, item["schema"],
+                                                                  args.max_new_tokens), workload))
+                seconds = time.perf_counter() - started
+            tokens = sum(len(o["tokens"]) for o in outs)
+            passes.append({"run": run, "variant": variant, "seconds": seconds, "tokens": tokens,
+                           "tokens_per_s": tokens / seconds,
+                           "same": sum(o["tokens"] == ref for o, ref in zip(outs, reference)),
+                           "valid": sum(valid(o["text"], item["schema"]) for o, item in zip(outs, workload)),
+                           "drafted": sum(o["drafted"] for o in outs), "accepted": sum(o["accepted"] for o in outs)})
+            print(f"load run {run} {variant}: {tokens} tokens in {seconds:.1f} s, {tokens / seconds:.1f} tok/s, "
+                  f"{passes[-1]['same']}/{len(outs)} same as K = 0 alone", flush=True)
+    return passes
+
+
+def load_markdown(passes: list[dict], meta: dict) -> str:
+    n = meta["requests"]
+    lines = ["", f"under load: every prompt from {meta['concurrency']} clients at once, a fresh deployment per pass",
+             "",
+             "| run | defaults tok/s | K = 0 tok/s | defaults / K = 0 | acceptance | same as K = 0 alone | valid |",
+             "|---|---|---|---|---|---|---|"]
+    for run in sorted({p["run"] for p in passes}):
+        d, k = (next(p for p in passes if p["run"] == run and p["variant"] == v) for v in ("defaults", "k0"))
+        lines.append(f"| {run} | {d['tokens_per_s']:.1f} | {k['tokens_per_s']:.1f} | "
+                     f"{_x(d['tokens_per_s'] / k['tokens_per_s'])} | {d['accepted'] / max(1, d['drafted']):.2f} | "
+                     f"{d['same']}/{n}, {k['same']}/{n} | {d['valid']}/{n} |")
+    return "\n".join(lines) + "\n"
 
 
 def through_llama_cpp(args, workload: list[dict], prompt_ids: list[list[int]]) -> list[dict]:
@@ -181,6 +227,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--limit", type=int, help="at most this many prompts (spread over the file)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: llama-server beside ours")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="then every prompt from this many clients at once, defaults against K = 0 (1: no load)")
+    parser.add_argument("--load-runs", type=int, default=1, help="alternations of the load passes")
     return parser
 
 
@@ -188,9 +237,12 @@ def main_with(args) -> int:
     workload = read_workload(args.prompts, args.limit)
     rows, prompt_ids = through_specdec(args, workload)
     llama = through_llama_cpp(args, workload, prompt_ids) if args.llama_cpp else None
+    load = under_load(args, workload, [r["runs"]["k0"]["tokens"] for r in rows]) if args.concurrency > 1 else None
     s = summary(rows, llama)
     meta = {"target": args.target, "draft": args.draft, "requests": len(rows), "max_new_tokens": args.max_new_tokens,
-            "llama_cpp": bool(llama)}
-    harness.write_report(args.out, "structured", {"meta": meta, "summary": s, "rows": rows, "llama_cpp": llama},
-                         markdown(s, meta))
-    return harness.failed_if(not all(r["same"] for r in rows), "some outputs differ between the defaults and K = 0")
+            "llama_cpp": bool(llama), "concurrency": args.concurrency}
+    text = markdown(s, meta) + (load_markdown(load, meta) if load else "")
+    harness.write_report(args.out, "structured", {"meta": meta, "summary": s, "rows": rows, "llama_cpp": llama,
+                                                  "load": load}, text)
+    differ = not all(r["same"] for r in rows) or any(p["same"] < len(rows) for p in load or [])
+    return harness.failed_if(differ, "some outputs differ between the defaults and K = 0")

@@ -1,6 +1,7 @@
 """`specdec bench structured` as a smoke test on the tiny pair: schema prompts through
 real services with the defaults, at K = 0 under the same schema and at K = 0 free; the
-first two give the same tokens, and the report is written. Not a timing test."""
+first two give the same tokens, under load as well, and the report is written. Not a
+timing test."""
 
 import json
 
@@ -11,7 +12,8 @@ def test_bench_structured_runs_each_prompt_three_ways(tiny_pair, tmp_path):
     target, draft, _ = tiny_pair
     out = tmp_path / "out"
     args = structured.build_parser().parse_args(
-        ["--target", str(target), "--draft", str(draft), "--limit", "4", "--max-new-tokens", "16", "--out", str(out)])
+        ["--target", str(target), "--draft", str(draft), "--limit", "4", "--max-new-tokens", "16", "--out", str(out),
+         "--concurrency", "2"])
     assert structured.main_with(args) == 0
     report = json.loads((out / "structured.json").read_text())
     rows = report["rows"]
@@ -22,7 +24,12 @@ def test_bench_structured_runs_each_prompt_three_ways(tiny_pair, tmp_path):
         if row["finish"] == "FINISH_REASON_STOP":
             assert row["valid"]
     assert set(report["summary"]) == {"extract", "call", "all"}
-    assert "| all | 4 |" in (out / "structured.md").read_text()
+    # Under load: a pass of each, every output the sequential K = 0 one's.
+    assert [p["variant"] for p in report["load"]] == ["defaults", "k0"]
+    assert all(p["same"] == 4 and p["tokens"] == sum(len(r["runs"]["k0"]["tokens"]) for r in rows)
+               for p in report["load"])
+    text = (out / "structured.md").read_text()
+    assert "| all | 4 |" in text and "under load: every prompt from 2 clients" in text
 
 
 def test_the_workload_is_32_prompts_with_valid_schemas():
