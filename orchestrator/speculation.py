@@ -211,12 +211,13 @@ class VerifierLink:
 
     async def decode(self, history: list[int], max_tokens: int, stop: set[int], draft_forced: bool = False,
                      draft_lookup: verifier_pb2.LookupRule | None = None
-                     ) -> AsyncIterator[tuple[int, verifier_pb2.BatchPass]]:
+                     ) -> AsyncIterator[tuple[int, verifier_pb2.BatchPass, tuple[int, int] | None]]:
         """The target alone after `history`: up to max_tokens tokens, each as soon as the
         verifier picks it, ending after a stop token (`draft_forced`, `draft_lookup`: the
-        drafts the verifier makes within the run; see DecodeRequest). A call that fails
+        drafts the verifier makes within the run; see DecodeRequest), with, on the own token
+        of a pass that checked lookup drafts, (those drafts, those kept). A call that fails
         part-way goes on from the tokens it gave."""
-        retry, got = _Retry(self), []
+        retry, got, kept = _Retry(self), [], 0
         while len(got) < max_tokens and not (got and got[-1] in stop):
             call = None
             try:
@@ -234,13 +235,16 @@ class VerifierLink:
                     # The drafts the verifier made within the run (draft_forced, draft_lookup).
                     self.stats.draft_tokens += message.drafted + message.drafts_rejected
                     self.stats.accepted_tokens += message.drafted
+                    lookup = (kept + message.drafts_rejected, kept) if message.lookup_drafts else None
+                    kept = kept + 1 if message.drafted else 0
                     if message.HasField("logprobs"):
                         self.logprobs[len(history) + len(got) - 1] = message.logprobs
                     self.synced = len(history) + len(got)  # it holds each token it picked
                     self._answered(message.batch_pass)
                     self._features(message)
-                    yield message.token_id, message.batch_pass
+                    yield message.token_id, message.batch_pass, lookup
             except grpc.aio.AioRpcError as err:
+                kept = 0
                 await retry.after(err)
                 continue
             finally:
@@ -325,13 +329,18 @@ class DrafterLink:
         report (specdec.lookup, on the committed history, which only grows); [] where the
         rule finds no match, or the drafters draft with their model alone. A lookup round
         drafts these itself: it needs no drafter call, only the verifier's pass."""
-        rule = self.pool.lookup_rule
-        if rule is None or self.refused:
+        rule = self.lookup_rule
+        if rule is None:
             return []
         if self.lookup is None or (self.lookup.min_n, self.lookup.max_n) != rule:
             self.lookup = LookupIndex(rule[1], rule[0], self.memory(rule) if self.memory else None)
         self.lookup.update(history)
         return self.lookup.match(k)
+
+    @property
+    def lookup_rule(self) -> tuple[int, int] | None:
+        """(shortest, longest match) of the drafters' lookup, where this request drafts by it."""
+        return None if self.refused else self.pool.lookup_rule
 
     @property
     def lookup_from_memory(self) -> bool:
@@ -521,12 +530,14 @@ async def _plain_run(policy: FixedK | AdaptiveK, budget: int, eos: set[int], his
             # The span is current only while this coroutine waits for a token (never across a yield).
             attached = otel_context.attach(trace.set_span_in_context(span, trace_context))
             try:
-                token, batch_pass = await anext(steps)
+                token, batch_pass, lookup = await anext(steps)
             except StopAsyncIteration:
                 break
             finally:
                 otel_context.detach(attached)
             now = time.perf_counter()
+            if lookup is not None:  # a pass's lookup drafts: what they got, at no drafter's cost
+                policy.observe_beside(lookup[0], lookup[1], None, lookup=True)
             tokens += 1
             if tokens == 1:
                 first = now  # the steps after it are the run's own (the first also opens the call)
@@ -706,18 +717,21 @@ async def _target_alone(policy: FixedK | AdaptiveK, drafter: DrafterLink, verifi
     round's first draft there would have got)."""
     probe_k = policy.beside_run()
     beside = _BesideRun(drafter, history, probe_k) if probe_k else None
-    check = policy.probes_beside_runs
-    # Under a constraint, where the policy may draft, the verifier drafts within the run
-    # (no round trip): the forced tokens, and where the drafters draft by lookup, lookup
-    # matches (they are not worth a run's cut there: measured, see _free_drafts).
+    # Within the run, the verifier drafts (no round trip): under a constraint where the
+    # policy may draft, the forced tokens; where the drafters draft by lookup and the
+    # policy prices it to pay, the history's lookup matches (under a constraint, where it
+    # forces nothing; those are not worth a run's cut there: measured, see _free_drafts).
     draft_forced = guide is not None and policy.k_max > 0
-    draft_lookup = None
     if draft_forced:
         by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max, forced=False)
-        if drafter.pool.lookup_rule is not None and not drafter.refused and verifier.features is None:
-            draft_lookup = verifier_pb2.LookupRule(min_match=drafter.pool.lookup_rule[0],
-                                                   max_match=drafter.pool.lookup_rule[1],
-                                                   max_drafts=policy.lookup_k_max)
+    # A greedy run checks each token against the lookup's next one (under a constraint, none:
+    # see _free_drafts), unless its passes check lookup drafts themselves (then those say
+    # what a lookup round's would get).
+    checks = policy.probes_beside_runs and guide is None
+    draft_lookup, rule = None, drafter.lookup_rule
+    if rule is not None and verifier.features is None and (lookup_k := policy.run_lookup_drafts(checks)):
+        draft_lookup = verifier_pb2.LookupRule(min_match=rule[0], max_match=rule[1], max_drafts=lookup_k)
+    check = checks and draft_lookup is None
     expected = by_lookup[:1] if check else []
     try:
         async with contextlib.aclosing(_plain_run(policy, budget, eos, history, verifier, stats,

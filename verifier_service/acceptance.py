@@ -115,7 +115,8 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     With each token, the features asked for of the positions its pass computed (the
     first one's: those `cache` held, then those it computed); into
     `notes`, for each token in order: (whether it was a kept draft, the drafts its pass
-    rejected where it is the pass's own token, its log-probabilities if asked)."""
+    rejected where it is the pass's own token, its log-probabilities if asked, whether it
+    is the own token of a pass whose drafts came from the lookup)."""
     tail = _pending(cache, session, request)
     seq.sync(request.start, list(request.new_tokens))
     if guide is not None:
@@ -153,8 +154,9 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
             own = len(tokens) - 1 >= accepted  # the last token is the pass's own (not a draft cut short)
             for i, t in enumerate(tokens):
                 logprobs = token_logprobs(logits[i], t, request.top_logprobs) if request.logprobs else None
-                notes.append((i < len(tokens) - 1 or not own, len(pending) - accepted if own and i == len(tokens) - 1
-                              else 0, logprobs))
+                last = own and i == len(tokens) - 1
+                notes.append((i < len(tokens) - 1 or not own, len(pending) - accepted if last else 0, logprobs,
+                              last and by_lookup))
         if guide is not None:
             for t in tokens:
                 guide.advance(t)

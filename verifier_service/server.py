@@ -171,10 +171,11 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                     async with contextlib.aclosing(decode(seq, request, self.info.max_positions, guide,
                                                           notes, session, self.feature_cache)) as steps:
                         async for token, done, features in steps:
-                            drafted, rejected, logprobs = notes.popleft()
+                            drafted, rejected, logprobs, by_lookup = notes.popleft()
                             yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done),
                                                               features=features, drafted=drafted,
-                                                              drafts_rejected=rejected, logprobs=logprobs)
+                                                              drafts_rejected=rejected, logprobs=logprobs,
+                                                              lookup_drafts=by_lookup)
         except ServiceError as err:
             await abort(context, err)
 

@@ -495,3 +495,59 @@ def test_until_a_probe_answers_one_is_priced_at_a_drafter_call():
     costs.observe_run(24, 24 * step, [BatchPass(rows=1, tokens=1, seconds=step)] * 24, steps_s=23 * step,
                       probed=True, answered=True)
     assert costs.probe_cost == 0.0 and policy.probe_period() == 16 * costs.backoff
+
+
+def _run_costs(rows: int, pass_s) -> RoundCosts:
+    """A deployment whose passes of R rows took pass_s(tokens) at 1, 2 and 3 tokens a row."""
+    costs = RoundCosts()
+    for per_row in (1, 2, 3) * 4:
+        tokens = rows * per_row
+        costs.observe_run(8, 8 * pass_s(tokens), [BatchPass(rows=rows, tokens=tokens, seconds=pass_s(tokens))] * 8)
+    costs.rows = rows
+    return costs
+
+
+@pytest.mark.parametrize("rows, pays", [(1, True), (8, False)])
+def test_lookup_drafts_within_runs_are_priced_by_the_load(rows, pays):
+    """A pass's lookup drafts (the verifier's, within a run) that pass half the time: at one
+    row a pass of 2 tokens costs 1.15 of one, so a draft pays; at 8 rows a pass's cost grows
+    nearly with its tokens (2 cores: 16 tokens 1.8x 8), so none is drafted."""
+    def pass_s(tokens):  # 5 ms for one token, 0.75 ms a token more, then 4.5 ms a token past 8
+        return 0.005 + 0.00075 * (min(tokens, 8) - 1) + 0.0045 * max(0, tokens - 8)
+
+    policy = AdaptiveK(_run_costs(rows, pass_s), k_max=4, k_start=2, probes_beside_runs=True, lookup_k_max=16)
+    for i in range(40):  # what its passes' lookup drafts got: half of the first drafts kept
+        policy.observe_beside(1, i % 2, None, lookup=True)
+    assert (policy.run_lookup_drafts() > 0) == pays
+
+
+def test_lookup_drafts_within_runs_go_as_far_as_they_pay():
+    """On a nearly flat pass, drafts that nearly always pass (a copy) may go as far as the
+    request allows (the verifier's own rule then grows them as they pass); drafts that
+    never pass (on a deployment of such requests): none; a fixed K = 0: none."""
+    def flat(tokens):
+        return 0.005 + 0.0001 * tokens
+
+    copying = AdaptiveK(_run_costs(1, flat), k_max=4, k_start=2, lookup_k_max=16)
+    for _ in range(20):
+        copying.observe_beside(4, 4, None, lookup=True)
+    assert copying.run_lookup_drafts() == 16
+    failing = AdaptiveK(_run_costs(1, flat), k_max=4, k_start=2, lookup_k_max=16)
+    for _ in range(20):
+        failing.observe_beside(1, 0, None, lookup=True)
+    assert failing.run_lookup_drafts() == 0
+    assert FixedK(0).run_lookup_drafts() == 0
+
+
+def test_a_request_that_cannot_check_its_matches_tries_one_lookup_draft_a_pass_until_it_knows():
+    """Priced on a deployment whose lookup drafts fail, drafts would never be tried by a
+    request whose runs do not check its matches (under a constraint, or sampled): it
+    drafts one a pass until its first lookup pass answers; one whose runs check does not."""
+    costs = _run_costs(1, lambda tokens: 0.005 + 0.00075 * (tokens - 1))
+    for _ in range(40):  # the deployment's earlier requests: lookup drafts that failed
+        costs.observe_drafts(1, None, 0, 1, lookup=True)
+    for checks, first in ((False, 1), (True, 0)):
+        request = AdaptiveK(costs, k_max=4, k_start=2, probes_beside_runs=True, lookup_k_max=16)
+        assert request.run_lookup_drafts(checks) == first
+        request.observe_beside(1, 0, None, lookup=True)
+        assert request.run_lookup_drafts(checks) == 0

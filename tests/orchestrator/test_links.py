@@ -165,8 +165,9 @@ class FakeDecode:
         tokens, err = self.outcomes.pop(0)
 
         async def stream():
-            for token in tokens:
-                yield verifier_pb2.DecodeResponse(token_id=token)
+            for token in tokens:  # a token id, or the whole message
+                yield token if isinstance(token, verifier_pb2.DecodeResponse) else verifier_pb2.DecodeResponse(
+                    token_id=token)
             if err is not None:
                 raise err
 
@@ -200,7 +201,7 @@ def test_a_decode_that_fails_part_way_goes_on_from_the_tokens_it_gave():
     link.synced = 3
 
     async def go():
-        return [token async for token, _ in link.decode([1, 2, 3, 4], 6, {99})]
+        return [token async for token, _, _ in link.decode([1, 2, 3, 4], 6, {99})]
 
     assert asyncio.run(go()) == [5, 6, 7, 8, 9, 10]
     assert [(r.start, list(r.new_tokens), r.max_tokens) for r in stub.requests] == [
@@ -209,13 +210,31 @@ def test_a_decode_that_fails_part_way_goes_on_from_the_tokens_it_gave():
     assert stats.resyncs == 1 and link.synced == 10
 
 
+def test_a_decode_says_what_each_pass_s_lookup_drafts_got():
+    """A pass that kept 2 lookup drafts and rejected 1, one without drafts, one that kept
+    none of its 1, and one whose drafts were the constraint's."""
+    Response = verifier_pb2.DecodeResponse
+    stub = FakeDecode(([Response(token_id=5, drafted=True), Response(token_id=6, drafted=True),
+                        Response(token_id=7, drafts_rejected=1, lookup_drafts=True), Response(token_id=8),
+                        Response(token_id=9, drafts_rejected=1, lookup_drafts=True),
+                        Response(token_id=10, drafted=True), Response(token_id=11)], None))
+    stats = Stats()
+    link = VerifierLink(OnePool(stub), "s", [1, 2], PARAMS, stats, timeout_s=60)
+
+    async def go():
+        return [(token, lookup) async for token, _, lookup in link.decode([1, 2], 7, set())]
+
+    assert asyncio.run(go()) == [(5, None), (6, None), (7, (3, 2)), (8, None), (9, (1, 0)), (10, None), (11, None)]
+    assert (stats.draft_tokens, stats.accepted_tokens) == (5, 3)
+
+
 def test_a_decode_the_caller_stops_reading_is_cancelled():
     stub = FakeDecode(([5, 6, 7, 8], None))
     link = VerifierLink(OnePool(stub), "s", [1, 2], PARAMS, Stats(), timeout_s=60)
 
     async def go():
         steps = link.decode([1, 2], 4, set())
-        async for token, _ in steps:
+        async for token, _, _ in steps:
             break
         await steps.aclose()
         return token

@@ -25,6 +25,7 @@ def draft_next(history: list[int]) -> int:
 
 class FakeDrafter:
     lookup_from_memory = False
+    lookup_rule = None
 
     def __init__(self):
         self.drafted_for: dict[tuple, list[int]] = {}  # a history -> the drafts made after it
@@ -62,7 +63,7 @@ class FakeVerifier:
         for _ in range(max_tokens):
             await asyncio.sleep(0)
             history.append(target_next(history))
-            yield history[-1], None
+            yield history[-1], None, None
             if history[-1] in stop:
                 return
 

@@ -893,12 +893,20 @@ def test_decode_drafts_lookup_matches_within_its_run_and_keeps_the_targets_token
         seq, notes = engine(models).new_sequence(), deque()
         request = verifier_pb2.DecodeRequest(start=0, new_tokens=prompt, max_tokens=64, **fields)
         got = [token async for token, _, _ in decode(seq, request, 4096, None, notes, session)]
-        return got, sum(kept for kept, _, _ in notes), sum(rejected for _, rejected, _ in notes)
+        outcomes.extend(notes)
+        return got, sum(kept for kept, _, _, _ in notes), sum(rejected for _, rejected, _, _ in notes)
 
+    outcomes = []
     got, kept, rejected = asyncio.run(run(draft_lookup=rule))
     assert got == want
     assert kept >= 4, (kept, rejected)  # the loops' drafts pass (how many a loop's end rejects: the numerics')
+    # Each pass that drafted says so on its own token: a rejection is always on one.
+    assert any(by_lookup for _, _, _, by_lookup in outcomes)
+    assert all(by_lookup for _, rejected, _, by_lookup in outcomes if rejected)
+    assert not any(by_lookup and was_draft for was_draft, _, _, by_lookup in outcomes)
+    outcomes.clear()
     assert session.lookup_passed is not None  # the request's next run starts from it
     held = session.lookup_index.tokens  # the next call of the request adds to it what it lacks
     assert len(held) > len(prompt) and held == (prompt + want)[:len(held)]
     assert asyncio.run(run()) == (want, 0, 0)
+    assert not any(by_lookup for _, _, _, by_lookup in outcomes)

@@ -110,20 +110,22 @@ class LookupRule(_message.Message):
     def __init__(self, min_match: _Optional[int] = ..., max_match: _Optional[int] = ..., max_drafts: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_id", "batch_pass", "features", "drafted", "drafts_rejected", "logprobs")
+    __slots__ = ("token_id", "batch_pass", "features", "drafted", "drafts_rejected", "logprobs", "lookup_drafts")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_PASS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     batch_pass: BatchPass
     features: _common_pb2.Features
     drafted: bool
     drafts_rejected: int
     logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, token_id: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., drafted: _Optional[bool] = ..., drafts_rejected: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    lookup_drafts: bool
+    def __init__(self, token_id: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., drafted: _Optional[bool] = ..., drafts_rejected: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., lookup_drafts: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
