@@ -115,12 +115,13 @@ def run_hf(variant: str, index: int, target, ids: list[int], max_new_tokens: int
 
 class _LocalDrafter:
     """The drafter's proposer behind the interface of the orchestrator's DrafterLink."""
+    lookup_rule = None  # a model proposer: it never drafts by lookup
 
     def __init__(self, proposer, params):
         self.proposer, self.params, self.seq = proposer, params, proposer.new_sequence()
 
     def lookup_drafts(self, history, k):
-        return []  # a model proposer: it never drafts by lookup
+        return []
 
     async def propose(self, history, k, committed=None):
         self.seq.sync(0, history)
@@ -153,7 +154,7 @@ class _LocalVerifier:
                                              draft_forced=draft_forced, draft_lookup=draft_lookup)
         self.synced = len(history)
         async for token, done, _ in self.decode_run(self.seq, request, modeling.max_positions(self.engine.model)):
-            yield token, done
+            yield token, done, None  # no lookup drafts: its drafter has no lookup rule
 
     def close(self):
         self.engine.release(self.seq)
