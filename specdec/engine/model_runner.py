@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import time
 import weakref
 
 import numpy as np
@@ -36,7 +37,9 @@ class ModelRunner:
             self.static = StaticPasses(model, pool, self.attention_dtype, graphs and model.device.type == "cuda",
                                        max_positions(model), invariant)
             if static == "compiled":
-                self.static.compile()
+                self.static.compile()  # each bucket's first pass compiles (about a minute): captured then
+            elif self.static.capture:
+                self.static.capture_all()
         self.kernel = _cpu_attention(model, self.attention_dtype)
         self.forward = _llama_forward if _is_llama(model) else _transformers_forward
         if self.forward is _llama_forward and self.kernel is not None and (stacks := _LayerStacks.of(model)):
@@ -127,9 +130,10 @@ class StaticPasses:
     padding tokens write to a slot no session owns (block 0's second: block 0 is never
     handed out) and read it alone, and the bucket's graph replays. Its logits (and the
     features a feature drafter asks for) come back for every token; the wanted ones are
-    picked after. Each bucket is captured at its first pass (`capture` False: the same
-    padded pass runs eagerly, as on a CPU, where the tests check it against the
-    engine's own). A longer pass runs the usual way.
+    picked after. Every bucket is captured when the engine starts (`capture_all`; a
+    feature drafter's layers, and torch.compile's kernels, at their bucket's first pass;
+    `capture` False: the same padded pass runs eagerly, as on a CPU, where the tests check
+    it against the engine's own). A longer pass runs the usual way.
 
     Batch-invariant (`invariant` = N): every pass is N tokens, a longer one runs as
     passes of N tokens in turn (each token attends to the keys of the ones before it,
@@ -246,6 +250,21 @@ class StaticPasses:
         logits = logits[pick].to(torch.float32, copy=True)
         return logits, None if features is None else features[:, pick].clone()
 
+    def capture_all(self, layers: tuple[int, ...] = ()) -> None:
+        """Every bucket's graph, before the first pass. Captured at its first pass, a
+        bucket stalled that pass 0.2-0.7 s (an H200, the default target), and the stall
+        went into what the orchestrator's warm-up and K policy learnt a pass costs.
+        Lengths a session cannot reach in this pool are left out."""
+        started = time.perf_counter()
+        reach = self.pool.capacity * self.pool.block_size
+        lengths = [length for i, length in enumerate(self.lengths) if i == 0 or self.lengths[i - 1] < reach]
+        for length in lengths:
+            for tokens in self.tokens:
+                if (tokens, length, layers) not in self.graphs:
+                    self.graphs[(tokens, length, layers)] = self._captured(tokens, length, layers)
+        log.info("captured %d CUDA graphs (tokens %s x positions read %s) in %.1f s", len(self.graphs),
+                 list(self.tokens), lengths, time.perf_counter() - started)
+
     def compile(self) -> None:
         """Runs each bucket's pass through torch.compile (its elementwise operations fused:
         fewer kernels a graph), captured as before."""
@@ -289,7 +308,7 @@ class StaticPasses:
         for buffer, value in zip(self.inputs, saved[0]):
             buffer[:t] = value
         self.read[:t, :l_] = saved[1]
-        log.info("captured a CUDA graph of %d tokens reading up to %d positions%s", t, l_,
+        log.debug("captured a CUDA graph of %d tokens reading up to %d positions%s", t, l_,
                  f", keeping features of layers {list(layers)}" if layers else "")
         return graph, outputs
 

@@ -4,6 +4,8 @@ bucket's read table and the write slots must leave the engine's results and ever
 session's cache as the usual pass leaves them; batch-invariant passes must give a row the
 same bits whatever else its pass holds. deploy/gpu_check.py runs the captured graphs."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -32,6 +34,29 @@ def test_buckets():
     assert static.bucket(64, 512) == (64, 512)
     assert static.bucket(65, 10) is None  # a longer pass runs the usual way
     assert static.bucket(3, 513) is None
+
+
+def test_every_bucket_a_session_can_reach_is_captured_before_the_first_pass(monkeypatch):
+    """capture_all captures each (tokens, positions read) bucket once, up to the longest
+    read this pool can hold, and a pass then replays its bucket's graph without capturing
+    (the capture itself runs on a GPU alone: tests/gpu)."""
+    static = StaticPasses.__new__(StaticPasses)
+    static.lengths, static.tokens, static.graphs = [128, 256, 512, 1024], StaticPasses.TOKENS, {}
+    static.pool = SimpleNamespace(capacity=18, block_size=16)  # 288 positions: no read past 512
+    captured, replays = [], []
+
+    def capture(t, length, layers):
+        captured.append((t, length, layers))
+        return SimpleNamespace(replay=lambda: replays.append((t, length))), ("logits",)
+
+    monkeypatch.setattr(static, "_captured", capture)
+    static.capture_all()
+    buckets = [(t, length, ()) for length in (128, 256, 512) for t in StaticPasses.TOKENS]
+    assert sorted(captured) == sorted(buckets) and len(captured) == len(set(captured))
+    assert static._replay(8, 256, ()) == ("logits",)
+    assert replays == [(8, 256)] and len(captured) == len(buckets)
+    static.capture_all()  # a second call captures nothing again
+    assert len(captured) == len(buckets)
 
 
 FEATURES = (0, 15, 30)  # a feature drafter's layers: the first's input, a middle one's, the last one's output
