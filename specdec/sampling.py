@@ -122,7 +122,9 @@ def penalize(logits: torch.Tensor, params: common_pb2.SamplingParams, tokens: li
         add[where[n + k:]] = torch.tensor([v for _, v in bias])
         values = values + add.to(logits.device)
     if repetition:
-        r = params.repetition_penalty
+        # A device tensor, not a Python number: CUDA divides by a host scalar as a product
+        # with its reciprocal, which rounds otherwise than the host's division.
+        r = torch.tensor(params.repetition_penalty, dtype=values.dtype, device=values.device)
         seen = (torch.bincount(where[:n], minlength=len(ids))[None] + before > 0).to(logits.device)
         values = torch.where(seen, torch.where(values > 0, values / r, values * r), values)
     if frequency:
