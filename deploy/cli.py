@@ -215,9 +215,9 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     flags.add(p, "--device", env="SPECDEC_DEVICE", default=None,
               help="torch device of the verifier (default: cpu; under Ray, cuda when it got a GPU)")
     flags.add(p, "--cuda-graphs", env="SPECDEC_CUDA_GRAPHS", default="off", choices=["off", "on", "compiled"],
-              help="the verifier on a GPU (Llama-family targets): passes of up to 64 tokens replayed from CUDA "
-                   "graphs (on), of torch.compile's kernels (compiled: each shape's first pass compiles for "
-                   "about a minute)")
+              help="every model on a GPU (Llama-family): passes of up to 64 tokens replayed from CUDA graphs, "
+                   "captured at start-up (on), of torch.compile's kernels (compiled: each shape's first pass "
+                   "compiles for about a minute); a service whose model is on a CPU runs its passes as before")
     flags.add(p, "--batch-invariant", env="SPECDEC_BATCH_INVARIANT", type=int, default=0,
               help="N > 0: the verifier runs every pass as passes of exactly N tokens, so a token's logits do not "
                    "depend on what else its pass holds: greedy speculation in bfloat16/float16 gives the target "

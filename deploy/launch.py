@@ -177,9 +177,10 @@ def service_flags(args) -> tuple[list[str], list[str]]:
     and `specdec ray up` take."""
     shared = ["--max-batch-rows", str(args.max_batch_rows), "--quantize", args.quantize]
     proposer = [] if args.draft == "ngram" else ["--proposer", args.proposer]
-    # The static passes are the verifier's (a drafter on a CPU would run them eagerly, slower).
-    verifier = ["--kv-cache-bytes", str(args.kv_cache_bytes), "--cuda-graphs", args.cuda_graphs,
-                "--batch-invariant", str(args.batch_invariant)]
+    # CUDA graphs for every model on a GPU (a drafter on a CPU runs its passes as before);
+    # batch-invariant passes are the verifier's: its numerics are the output's.
+    shared += ["--cuda-graphs", args.cuda_graphs]
+    verifier = ["--kv-cache-bytes", str(args.kv_cache_bytes), "--batch-invariant", str(args.batch_invariant)]
     return [*shared, *verifier], [*shared, *proposer]
 
 

@@ -86,8 +86,9 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
         help="tokens one forward pass computes; a longer prefill runs in chunks between other sessions' rounds")
     add(parser, "--cuda-graphs", env=f"{prefix}_CUDA_GRAPHS", default="off", choices=["off", "on", "compiled"],
         help="Llama-family models on a GPU: passes of up to 64 tokens in static shapes, replayed from CUDA graphs "
-             "captured per bucket at their first use (on: the eager operations; compiled: torch.compile's fused "
-             "kernels, about 40 s more to capture a bucket). The host launches one graph, not each operation")
+             "(on: the eager operations, every bucket captured at start-up; compiled: torch.compile's fused "
+             "kernels, each bucket compiled and captured at its first use, about 40 s). The host launches one "
+             "graph, not each operation. Ignored for a model on a CPU")
     add(parser, "--batch-invariant", env=f"{prefix}_BATCH_INVARIANT", type=int, default=0,
         help="N > 0: every forward pass runs as passes of exactly N tokens (padded, a longer one in turn), so "
              "a token's logits are the same bits in a one-token step, a verify pass or a batch of sessions: "

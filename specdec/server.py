@@ -36,10 +36,16 @@ def security(args, auth_token_file: str = "") -> "Security":
 
 def engine(model, args, metrics=None) -> Engine:
     """The model's batching engine, sized by the session-service flags (and the model
-    quantized as they say: the drafter cuts its output head first)."""
+    quantized as they say: the drafter cuts its output head first). --cuda-graphs is for
+    a model on a GPU: a deployment passes it to every service, and one whose model is on a
+    CPU runs its passes the usual way (the same padded passes, run eagerly, are slower)."""
+    graphs = args.cuda_graphs
+    if graphs not in (False, "off") and model.device.type != "cuda":
+        log.warning("--cuda-graphs %s: the model is on %s, its passes run the usual way", graphs, model.device)
+        graphs = "off"
     return Engine(quantize(model, args.quantize), args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens,
                   args.max_waiting_sessions, threads=args.threads, metrics=metrics, prefix_caching=args.prefix_caching,
-                  cuda_graphs=args.cuda_graphs, batch_invariant=args.batch_invariant)
+                  cuda_graphs=graphs, batch_invariant=args.batch_invariant)
 
 
 class SessionServicer:

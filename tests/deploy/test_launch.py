@@ -65,17 +65,20 @@ def test_the_verifier_gets_every_core_and_the_drafters_yield_to_it():
         assert int(out) == min(19, want), service.name
 
 
-def test_the_gpu_flags_of_a_deployment_go_to_the_verifier():
-    """`specdec up --cuda-graphs on --batch-invariant 64` (and `specdec ray up`): the
-    verifier's passes; a drafter, maybe on a CPU, keeps its own."""
+def test_the_gpu_flags_of_a_deployment_go_where_they_apply():
+    """`specdec up --cuda-graphs on --batch-invariant 64` (and `specdec ray up`): graphs
+    for every service (one whose model is on a CPU runs its passes as before), the
+    batch-invariant passes for the verifier, whose numerics are the output's."""
     from deploy import cli
+    from drafter_service.server import build_parser as drafter_parser
     from verifier_service.server import build_parser
 
     args = cli.build_parser().parse_args(["up", "--cuda-graphs", "on", "--batch-invariant", "64"])
     verifier_flags, drafter_flags = launch.service_flags(args)
     parsed = build_parser().parse_args(["--model", "target-dir", *verifier_flags])
     assert (parsed.cuda_graphs, parsed.batch_invariant) == ("on", 64)
-    assert "--cuda-graphs" not in drafter_flags and "--batch-invariant" not in drafter_flags
+    parsed = drafter_parser().parse_args(["--model", "draft-dir", *drafter_flags])
+    assert (parsed.cuda_graphs, parsed.batch_invariant) == ("on", 0)
     default = cli.build_parser().parse_args(["up"])
     parsed = build_parser().parse_args(["--model", "target-dir", *launch.service_flags(default)[0]])
     assert (parsed.cuda_graphs, parsed.batch_invariant) == ("off", 0)

@@ -189,3 +189,30 @@ def test_padding_writes_only_its_own_slot(target):
         assert engine.runner.static.passes == 1
     finally:
         engine.stop()
+
+
+def test_a_service_whose_model_is_on_a_cpu_runs_its_passes_the_usual_way(caplog):
+    """`specdec up --cuda-graphs on` gives the flag to every service; a model on a CPU
+    (a drafter on a CPU node) keeps the usual passes, and says so; --batch-invariant still
+    applies (its padded passes are what make a row's bits its own on any device)."""
+    import argparse
+
+    from specdec import server
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    args = argparse.Namespace(quantize="none", kv_cache_bytes=1 << 20, max_batch_rows=4, max_batch_tokens=64,
+                              max_waiting_sessions=4, threads=1, prefix_caching=False, cuda_graphs="on",
+                              batch_invariant=0)
+    engine = server.engine(model, args)
+    try:
+        assert engine.runner.static is None
+        assert "the model is on cpu" in caplog.text
+    finally:
+        engine.stop()
+    engine = server.engine(model, argparse.Namespace(**{**vars(args), "batch_invariant": 8}))
+    try:
+        assert engine.runner.static is not None and engine.runner.static.invariant == 8
+        assert not engine.runner.static.capture
+    finally:
+        engine.stop()
