@@ -282,8 +282,10 @@ class StaticPasses:
                                                    self.read[:t, :l_], lengths, l_, layers)
 
     def _replay(self, t: int, l_: int, layers: tuple[int, ...]):
-        if (held := self.graphs.get((t, l_, layers))) is None:
+        if (held := self.graphs.get((t, l_, layers))) is None:  # compiled, or a feature drafter's layers
             held = self.graphs[(t, l_, layers)] = self._captured(t, l_, layers)
+            log.info("captured a CUDA graph of %d tokens reading up to %d positions%s at its first pass", t, l_,
+                     f", keeping features of layers {list(layers)}" if layers else "")
         graph, outputs = held
         graph.replay()
         return outputs
@@ -308,8 +310,6 @@ class StaticPasses:
         for buffer, value in zip(self.inputs, saved[0]):
             buffer[:t] = value
         self.read[:t, :l_] = saved[1]
-        log.debug("captured a CUDA graph of %d tokens reading up to %d positions%s", t, l_,
-                 f", keeping features of layers {list(layers)}" if layers else "")
         return graph, outputs
 
 
