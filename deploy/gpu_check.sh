@@ -6,7 +6,10 @@
 # - e2e: where the default target's GGUF came (deploy/gpu_bundle.py carries it in two
 #   parts), the default pair served on the GPU, the defaults against K = 0, 1 and 8
 #   streams x 128 tokens of unseen chat prompts (`specdec bench load`), the verifier's and
-#   the drafter's passes from CUDA graphs, bfloat16 (GPU_CHECK_DTYPE);
+#   the drafter's passes from CUDA graphs, bfloat16 (GPU_CHECK_DTYPE). Its "same as target"
+#   compares 16 outputs with transformers' eager `generate`, whose bfloat16 rounds otherwise
+#   than static passes; "same as alone" compares each output with the same variant's alone;
+#   tests/gpu's batch-invariant suite checks speculation against K = 0 with our numerics;
 # - tests: the CUDA tests of the sampling rule, the penalties and batch-invariant
 #   speculation through the services (tests/gpu, at most GPU_CHECK_TESTS_S seconds).
 # Figures and logs under $OUT. The image holds torch, transformers and grpcio; what a
