@@ -56,7 +56,7 @@ def draw(logits: torch.Tensor, params: common_pb2.SamplingParams, draws: samplin
     position = len(history)
     logits = sampling.penalize(logits[None], params, history, columns=output_ids)[0]
     if sampling.is_greedy(params):
-        return int(token_of(logits.argmax())), None
+        return int(token_of(sampling.argmax(logits)[0])), None
     p = sampling.probs(logits, params)
     support = torch.topk(p, min(max_support, p.shape[-1]))
     # One copy to the host per step; the draw is made there (Draws is host-side).

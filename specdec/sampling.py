@@ -20,6 +20,16 @@ def is_greedy(params: common_pb2.SamplingParams) -> bool:
     return params.temperature == 0.0
 
 
+def argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's greedy token, the first of equal logits ([..., vocab] -> one per row).
+    On a CPU through numpy: torch's argmax took 67 us a row of the default target's
+    49,152 logits on this project's 2-core VM, numpy's 3 us, and the verifier takes one a
+    row of every pass (at 8 streams, 7% of its engine thread's time, profiled)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+        return logits.detach().numpy().argmax(axis=-1).reshape(-1).tolist()
+    return logits.argmax(dim=-1).reshape(-1).tolist()
+
+
 # Near 0, logits / temperature overflows float32 (inf, then NaN probabilities); well
 # before that, sampling is greedy in all but name.
 MIN_TEMPERATURE = 0.01

@@ -198,7 +198,7 @@ def judge(logits: torch.Tensor, drafts: list[int], draft_probs: list[common_pb2.
     """The acceptance rule over a pass's logits after the committed tokens and each draft
     [K+1, vocab] (drafts from absolute position `start`): (accepted, the target's token)."""
     if sampling.is_greedy(params):
-        return accept_greedy(logits.argmax(dim=-1).tolist(), drafts)
+        return accept_greedy(sampling.argmax(logits), drafts)
     # The rule runs on the host, from one copy of p per round (K+1 rows): its draws come
     # from host generators keyed by position, whatever the model's device.
     p = sampling.probs(logits, params).cpu()

@@ -102,3 +102,17 @@ def test_no_penalty_leaves_the_logits_as_they_are():
     logits = torch.randn(2, 10)
     for params in (common_pb2.SamplingParams(top_p=1.0), common_pb2.SamplingParams(top_p=1.0, repetition_penalty=1.0)):
         assert sampling.penalize(logits, params, [1, 2, 3], 2) is logits
+
+
+def test_the_greedy_token_is_torchs_argmax_in_every_dtype():
+    """sampling.argmax (numpy on a CPU) picks what torch's argmax picks, the first of
+    equal logits included, for a pass's rows and for one row."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 49152, generator=g)
+    logits[1, 7] = logits[1, 4000] = logits[1].max() + 1  # a tie: the first wins
+    logits[2] = 0.0  # all equal
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        x = logits.to(dtype)
+        assert sampling.argmax(x) == x.argmax(dim=-1).tolist(), dtype
+        assert sampling.argmax(x[3]) == [int(x[3].argmax())]
+    assert sampling.argmax(logits)[1:3] == [7, 0]
