@@ -99,9 +99,9 @@ class Engine:
         self.busy_s = 0.0
         self.logged = (time.monotonic(), 0, 0, 0, 0.0)
         self.metrics = metrics  # specdec.metrics.EngineMetrics, or None
-        # The engine's thread's: what a pass's picks hand to event loops, sent as one
-        # wake-up a loop after the picks (`_post`).
+        # What a pass's picks hand to event loops, sent as one wake-up a loop (`_post`).
         self.posts: dict[asyncio.AbstractEventLoop, list[tuple[Callable, object]]] = {}
+        self.posts_lock = threading.Lock()
         if metrics is not None:
             metrics.follow(queue=lambda: sum(not w.in_pass for w in list(self.queue)),
                            waiting=lambda: sum(not w.seq.admitted and not w.in_pass for w in list(self.queue)),
@@ -320,10 +320,12 @@ class Engine:
                             continue  # their blocks are free now: schedule again
                         if batch:
                             break
+                    self._send_posts()
                     self.cond.wait()
                 for row in batch:
                     row.work.in_pass = True
                 coming = {row.work.seq for row in batch if row.work.again}
+            self._send_posts()  # see _post
             started = time.perf_counter()
             try:
                 (logits, features), error = self.runner.run(batch), None
@@ -340,8 +342,6 @@ class Engine:
                 # Decode steps pick their tokens outside the lock: a pick (softmax, sampling, a
                 # copy to the host) must not hold up the calls of the service's event loop.
                 decided = [(work, logits, *self._pick(work, logits, feats, done)) for work, logits, feats in deciding]
-                # Before the works' ends below: a loop runs a work's end after its tokens.
-                self._send_posts()
                 with self.cond:
                     for outcome in decided:
                         self._picked(*outcome, done)
@@ -430,13 +430,21 @@ class Engine:
             return False, err
 
     def _post(self, loop: asyncio.AbstractEventLoop, call: Callable, arg) -> None:
-        """call(arg) on `loop`, with the pass's other posts to it. One wake-up a token cost
-        the engine's thread 5% of its time at 8 streams (py-spy, 2 cores): each writes to
-        the loop's pipe and hands the interpreter's lock to its thread."""
-        self.posts.setdefault(loop, []).append((call, arg))
+        """call(arg) on `loop`, with the pass's other posts to it, sent as the next pass
+        starts (or the engine waits, or a work ends: a loop runs a work's end after its
+        tokens). A wake-up hands the interpreter's lock to the loop's thread, which then
+        holds it while it streams the tokens: sent after the picks, the engine's thread
+        waited for it there, 10% of its time at one stream (py-spy, 2 cores); sent as the
+        pass starts, the loop streams them while the pass runs in the kernels, without the
+        lock. And one wake-up a pass, not a token: at 8 streams those took 5%."""
+        with self.posts_lock:
+            self.posts.setdefault(loop, []).append((call, arg))
 
     def _send_posts(self) -> None:
-        posts, self.posts = self.posts, {}
+        with self.posts_lock:
+            if not self.posts:
+                return
+            posts, self.posts = self.posts, {}
         for loop, calls in posts.items():
             with contextlib.suppress(RuntimeError):  # a loop closed meanwhile: nobody waits there
                 loop.call_soon_threadsafe(_run_posts, calls)
@@ -457,6 +465,7 @@ class Engine:
 
     def _finish(self, work: Work, result=None, error: Exception | None = None) -> None:
         """Takes the work off the queue and answers it (a cancel without result or error)."""
+        self._send_posts()  # its tokens first
         if work in self.queue:
             self.queue.remove(work)
         if error is not None:
