@@ -432,11 +432,12 @@ class Engine:
     def _post(self, loop: asyncio.AbstractEventLoop, call: Callable, arg) -> None:
         """call(arg) on `loop`, with the pass's other posts to it, sent as the next pass
         starts (or the engine waits, or a work ends: a loop runs a work's end after its
-        tokens). A wake-up hands the interpreter's lock to the loop's thread, which then
-        holds it while it streams the tokens: sent after the picks, the engine's thread
-        waited for it there, 10% of its time at one stream (py-spy, 2 cores); sent as the
-        pass starts, the loop streams them while the pass runs in the kernels, without the
-        lock. And one wake-up a pass, not a token: at 8 streams those took 5%."""
+        tokens). One wake-up a pass, not a token: at 8 streams those took 5% of the
+        engine's thread (py-spy, 2 cores). Sent as the next pass starts, not right after
+        the picks: alternated on 2 cores, 1.16x and 1.44x the tokens per second at one
+        stream, 1.08x and 1.12x at 8 (docs/benchmarks.md). A wake-up still costs the
+        engine's thread the time the loop's thread then holds the interpreter's lock (10%
+        at one stream); a thread of their own to send them measured no better."""
         with self.posts_lock:
             self.posts.setdefault(loop, []).append((call, arg))
 

@@ -933,7 +933,7 @@ def test_decodes_sharing_passes_wake_their_loop_once_a_pass_with_every_token(mod
 
         def counted(*args, **kwargs):
             if threading.current_thread() is eng.thread:
-                wakeups.append(eng.passes)
+                wakeups.append(1)
             return plain(*args, **kwargs)
 
         loop.call_soon_threadsafe = counted
@@ -945,6 +945,6 @@ def test_decodes_sharing_passes_wake_their_loop_once_a_pass_with_every_token(mod
     got = asyncio.run(go())
     for prompt, out in zip(prompts, got):
         assert out == greedy_reference(models, prompt, 10)
-    # 40 tokens: one wake-up a pass with tokens (and at most one more a decode's end, for
-    # its future), never one a token.
-    assert len(wakeups) <= len(set(wakeups)) + 4 and len(set(wakeups)) <= 12, wakeups
+    # 40 tokens in about 11 passes: at most a wake-up a pass (and one more a decode's end,
+    # for its future), never one a token.
+    assert eng.passes <= 20 and len(wakeups) <= eng.passes + 4, (eng.passes, len(wakeups))
