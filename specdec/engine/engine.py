@@ -432,12 +432,12 @@ class Engine:
     def _post(self, loop: asyncio.AbstractEventLoop, call: Callable, arg) -> None:
         """call(arg) on `loop`, with the pass's other posts to it, sent as the next pass
         starts (or the engine waits, or a work ends: a loop runs a work's end after its
-        tokens). One wake-up a pass, not a token: at 8 streams those took 5% of the
-        engine's thread (py-spy, 2 cores). Sent as the next pass starts, not right after
-        the picks: alternated on 2 cores, 1.16x and 1.44x the tokens per second at one
-        stream, 1.08x and 1.12x at 8 (docs/benchmarks.md). A wake-up still costs the
-        engine's thread the time the loop's thread then holds the interpreter's lock (10%
-        at one stream); a thread of their own to send them measured no better."""
+        tokens). One wake-up a token took 5% of the engine's thread at 8 streams (py-spy,
+        2 cores); with one a pass, sent as the next pass starts, the target alone served
+        1.06x the tokens per second at one stream and at 8 (docs/benchmarks.md). A
+        wake-up still costs the engine's thread the time the loop's thread then holds
+        the interpreter's lock (10% at one stream); a thread of their own to send them
+        measured no better."""
         with self.posts_lock:
             self.posts.setdefault(loop, []).append((call, arg))
 
