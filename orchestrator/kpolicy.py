@@ -321,12 +321,22 @@ class AdaptiveK:
         prior = self.costs.lookup_alpha
         return (self.lookup_accepted + self.prior_weight * prior) / (self.lookup_tested + self.prior_weight)
 
-    def lookup_speed(self, k: int) -> float | None:
-        """Predicted tokens per second of a lookup round drafting k of the match's tokens."""
-        verify, draft = self.costs.verify(k), self.costs.lookup_draft(k)
-        if verify is None or draft is None:
+    def lookup_speed(self, k: int, call: bool = True) -> float | None:
+        """Predicted tokens per second, per row of the pass, where one row drafts k of its
+        lookup match: in a lookup round (`call`: it pays its drafter call and what a verifier
+        call takes beyond its pass), or within a run (no call). Matches come to a few rows
+        at a time, so their price is what they add to the pass they join (the usual rows,
+        one token each, and this row's k drafts), not a pass where every row drafts k, as a
+        model round's is: on a CPU under load each token of a pass costs nearly what a row
+        does (measured on 2 cores, 8 rows of one token: one row's draft made the pass 1.11x
+        longer, a draft in every row 1.62x). At one row the two prices are the same."""
+        rows = max(1.0, self.costs.rows)
+        seconds, draft = self.costs.batch_pass(rows + k), self.costs.lookup_draft(k) if call else 0.0
+        if seconds is None or draft is None:
             return None
-        return expected_tokens(self.lookup_alpha, k) / max(draft + verify, 1e-6)
+        if call:
+            seconds += draft + self.costs.overhead
+        return (rows - 1 + expected_tokens(self.lookup_alpha, k)) / rows / max(seconds, 1e-6)
 
     def _lookup_k(self, matched: int) -> int:
         """The best K for a round drafted by lookup (0: the target alone). How much an
@@ -358,8 +368,8 @@ class AdaptiveK:
     def run_lookup_drafts(self, checks: bool = False) -> int:
         """The most lookup drafts one pass of a run of the target alone may check (0: none).
         The verifier drafts them itself, so they cost no call, only a longer pass: priced
-        as a round is (every row of a pass checking k more tokens, from the measured pass
-        curve, at the request's lookup acceptance), the most that still beat the pass of
+        as a lookup round's drafts are, by what they add to the pass they join, at the
+        request's lookup acceptance (lookup_speed), the most that still beat the pass of
         one token per row. Within that bound the verifier drafts one before any passed,
         then up to twice as many as its last lookup drafts kept: a copy's drafts pass in
         runs, which a bound from the request's own passes so far would cut short for the
@@ -371,15 +381,12 @@ class AdaptiveK:
         get: priced on the deployment's acceptance alone, a request of another kind than
         the deployment's last ones never learned its own (structured work at one stream:
         1.31x K = 0 in one run of two, its lookup drafts all but never tried)."""
-        rows = max(1.0, self.costs.rows)
-        plain = self.costs.batch_pass(rows)
+        plain = self.costs.batch_pass(max(1.0, self.costs.rows))
         if plain is None:
             return 0
         floor = (1 + self.min_gain) / max(plain, 1e-6)
-
-        def speed(k):
-            return expected_tokens(self.lookup_alpha, k) / max(self.costs.batch_pass(rows * (k + 1)), 1e-6)
-        priced = max((k for k in range(1, self.lookup_k_max + 1) if speed(k) >= floor), default=0)
+        priced = max((k for k in range(1, self.lookup_k_max + 1) if self.lookup_speed(k, call=False) >= floor),
+                     default=0)
         return max(priced, 1) if self.lookup_tested == 0 and not checks else priced
 
     def choose(self, matched: int = 0) -> int:

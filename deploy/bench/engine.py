@@ -3,7 +3,8 @@
 1. What a batched pass of the target costs: R rows x n tokens against one row x one
    token, each row with a ~120-token cache (same process, median of 7 passes each); one
    row of 17 tokens is a lookup round at its largest K (16): what a copied answer can
-   gain at most.
+   gain at most. Then what one row's drafts (1, then 4) add to a pass of 8 rows of one
+   token: the price of lookup drafts under load.
    On a GGUF target, passes of 1, 5 and 9 tokens again on each path of its products the
    build has (AVX-512 VNNI, AVX2: the same bits), side by side.
 2. Batch invariance: each of 8 rows run alone and together; how far their logits move
@@ -36,26 +37,32 @@ from specdec.engine import Engine, one_thread_outside_engines
 
 
 def pass_costs(eng: Engine, seqs, shapes) -> list[str]:
-    def timed(rows: int, n: int, reps: int = 7) -> float:
+    def timed(tokens: list[int], reps: int = 7) -> float:  # a pass of len(tokens) rows, tokens[i] in row i
         out = []
         for _ in range(reps):
-            for seq in seqs[:rows]:
+            for seq, n in zip(seqs, tokens):
                 seq.extend([100 + j for j in range(n)])
             with eng.cond:  # all rows ready together: one pass
-                works = [eng.submit(seq, n) for seq in seqs[:rows]]
+                works = [eng.submit(seq, n) for seq, n in zip(seqs, tokens)]
             results = [w.future.result() for w in works]
-            assert all(done.rows == rows for _, done in results)
+            assert all(done.rows == len(tokens) for _, done in results)
             out.append(results[0][1].seconds)
-            for seq in seqs[:rows]:
+            for seq in seqs[:len(tokens)]:
                 seq.sync(120, [])
         return statistics.median(out)
 
-    base = timed(1, 1)
+    base = timed([1])
     lines = [f"1 row x 1 token: {base * 1e3:.1f} ms"]
     for rows, n in shapes:
-        t = timed(rows, n)
+        t = timed([n] * rows)
         lines.append(f"{rows} rows x {n} tokens: {t * 1e3:.1f} ms = {t / base:.2f}x one token; "
                      f"tokens per unit time {rows * n * base / t:.2f}x")
+    # What one session's drafts add to a full pass (a lookup match comes to a few rows at a time).
+    full = timed([1] * len(seqs))
+    for drafts in (1, 4):
+        t = timed([1 + drafts] + [1] * (len(seqs) - 1))
+        lines.append(f"{len(seqs)} rows x 1 token, one row with {drafts} draft(s) more: {t * 1e3:.1f} ms = "
+                     f"{t / full:.2f}x the pass without them")
     return lines
 
 
