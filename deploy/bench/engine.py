@@ -279,7 +279,8 @@ def main_with(args) -> int:
         seq.sync(0, [(7 * i + j) % 5000 + 100 for j in range(120)])
         eng.forward_now(seq, 1)
         seqs.append(seq)
-    for line in pass_costs(eng, seqs, [(1, 3), (1, 5), (1, 9), (1, 17), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]):
+    shapes = [(1, 3), (1, 5), (1, 9), (1, 17), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]
+    for line in pass_costs(eng, seqs, shapes):
         say(line)
     if quantize.method_of(model) == "gguf":
         for line in by_path(eng, seqs):
