@@ -5,8 +5,9 @@
    row of 17 tokens is a lookup round at its largest K (16): what a copied answer can
    gain at most. Then what one row's drafts (1, then 4) add to a pass of 8 rows of one
    token: the price of lookup drafts under load.
-   On a GGUF target, passes of 1, 5 and 9 tokens again on each path of its products the
-   build has (AVX-512 VNNI, AVX2: the same bits), side by side.
+   On a GGUF target, passes of 1, 5 and 9 tokens and one row's drafts in 8 rows again on
+   each path of its products the build has (AVX-512 VNNI, AVX2: the same bits), side by
+   side.
 2. Batch invariance: each of 8 rows run alone and together; how far their logits move
    and whether any argmax flips.
 3. Prefix caching: a chat's second turn (the first turn's prompt and answer, then a new
