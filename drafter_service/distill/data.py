@@ -3,7 +3,8 @@ every position we train on, from two sources.
 
 - chat: the target answers the training prompts (batched `generate`, half greedy, half
   sampled at temperature 0.8, 128 new tokens at most); its logits at each generated step
-  come with the answer.
+  come with the answer. The prompts are the templates of prompts.py, or (`--chat-source
+  magpie`) prompts the target writes itself (`magpie_prompts`).
 - text: teacher-forced passes of the target over text that is installed here (package
   documentation and the Python reference), which give a distribution per position at a
   fraction of generation's cost.
@@ -12,6 +13,7 @@ Each stage appends shards to a work directory and stops after its time budget, s
 can be stopped and resumed."""
 
 import glob
+import json
 import logging
 import os
 import random
@@ -53,10 +55,54 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
         return_dict=False)
 
 
+def magpie_prompts(model, tokenizer, work: Path, count: int, seed: int, minutes: float,
+                   batch_size: int = 48, max_new_tokens: int = 64) -> list[str]:
+    """Prompts the target writes itself (Magpie, Xu et al. 2024): its chat template up to
+    where a user's turn begins, sampled at temperature 1 until the turn ends. An
+    instruction-tuned target writes the kinds of request it was tuned on, far more varied
+    than templates (measured: a head trained on template prompts agreed with the target
+    0.72 on answers it learnt from, 0.52 on unseen ones). Kept: turns that end within
+    `max_new_tokens`, of 4 tokens or more, each once, none a held-out prompt. Saved to
+    --work as they come (`magpie-prompts.json`), so a stopped run resumes."""
+    path = work / "magpie-prompts.json"
+    prompts = json.loads(path.read_text()) if path.exists() else []
+    marker = "\x00"
+    template = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                             add_generation_prompt=False)
+    pre = tokenizer(template[:template.index(marker)], add_special_tokens=False).input_ids
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ends = {end_of_turn, tokenizer.eos_token_id} - {None}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    seen = {p.lower() for p in prompts} | {p.lower() for p in prompt_sets.HELD_OUT}
+    deadline = time.monotonic() + minutes * 60
+    batch_index = len(prompts) // batch_size
+    while len(prompts) < count and time.monotonic() < deadline:
+        torch.manual_seed(seed * 100003 + 7919 * batch_index)
+        batch_index += 1
+        input_ids = torch.tensor([pre] * batch_size)
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                                 temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=max_new_tokens,
+                                 eos_token_id=sorted(ends), pad_token_id=pad)
+        for row in out[:, len(pre):].tolist():
+            end = next((i for i, t in enumerate(row) if t in ends), None)
+            if end is None or end < 4:
+                continue  # cut off by the budget, or too short to be a request
+            text = tokenizer.decode(row[:end]).strip()
+            if text and text.lower() not in seen:
+                seen.add(text.lower())
+                prompts.append(text)
+        path.write_text(json.dumps(prompts, indent=0))
+        log.info("magpie: %d prompts", len(prompts))
+    return prompts[:count]
+
+
 def generate_chat(model, tokenizer, work: Path, minutes: float, seed: int, max_prompts: int | None = None,
-                  batch_size: int = 48, max_new_tokens: int = 128, progress=None) -> None:
-    """Target answers to training prompts, with the target's top-k at every answer token."""
-    prompts = prompt_sets.training_prompts(seed)[:max_prompts]
+                  batch_size: int = 48, max_new_tokens: int = 128, progress=None,
+                  prompts: list[str] | None = None) -> None:
+    """Target answers to training prompts (`prompts`, else the templates'), with the
+    target's top-k at every answer token."""
+    prompts = (prompts if prompts is not None else prompt_sets.training_prompts(seed))[:max_prompts]
     done = sum(len(torch.load(s)) for s in _shards(work, "chat"))
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])
@@ -156,6 +202,8 @@ def main(argv=None):
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
     parser.add_argument("--chat-prompts", type=int, default=960, help="training prompts the target answers")
     parser.add_argument("--chat-minutes", type=float, default=60, help="time budget of the chat stage")
+    parser.add_argument("--chat-source", choices=("templates", "magpie"), default="templates",
+                        help="the training prompts: prompts.py's templates, or written by the target itself")
     parser.add_argument("--text-windows", type=int, default=1440, help="256-token windows of installed text")
     parser.add_argument("--text-minutes", type=float, default=60, help="time budget of the text stage")
     parser.add_argument("--seed", type=int, default=0)
@@ -163,8 +211,13 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     args.work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = modeling.load_model(args.target)
+    started, prompts = time.monotonic(), None
+    if args.chat_source == "magpie":
+        prompts = magpie_prompts(model, tokenizer, args.work, args.chat_prompts, args.seed, args.chat_minutes)
+    minutes = args.chat_minutes - (time.monotonic() - started) / 60
     with tqdm(desc="chat tokens", unit="tok", mininterval=30) as bar:
-        generate_chat(model, tokenizer, args.work, args.chat_minutes, args.seed, args.chat_prompts, progress=bar)
+        generate_chat(model, tokenizer, args.work, minutes, args.seed, args.chat_prompts, progress=bar,
+                      prompts=prompts)
     with tqdm(desc="text tokens", unit="tok", mininterval=30) as bar:
         teacher_text(model, tokenizer, args.work, args.text_minutes, args.seed, args.text_windows, progress=bar)
 

@@ -11,7 +11,9 @@ target's distribution renormalised over the draft vocabulary, step j weighted 0.
 
 Held out: the 16 prompts of prompts.HELD_OUT, the target's greedy answers; reported
 per draft position: how often the head's top token is the target's (the chain's earlier
-drafts being right, as in a round), and the chance that the first j drafts all are."""
+drafts being right, as in a round), and the chance that the first j drafts all are.
+`--init HEAD` goes on training a head; `--evaluate HEAD...` only measures heads (on
+--eval-prompts, a prompt file, where given)."""
 
 import argparse
 import json
@@ -170,11 +172,18 @@ def main(argv=None):
     parser.add_argument("--minutes", type=float, default=35)
     parser.add_argument("--steps", type=int, default=3, help="drafting steps unrolled in training")
     parser.add_argument("--window", type=int, default=eagle.DEFAULT_WINDOW)
+    parser.add_argument("--init", metavar="HEAD", help="go on training this head (a model name or directory) "
+                                                        "instead of starting from the target's layers")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--held-out-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evaluate", metavar="HEAD", nargs="+",
+                        help="measure these heads on the held-out prompts (or --eval-prompts); nothing else")
+    parser.add_argument("--eval-prompts", type=Path, metavar="FILE",
+                        help="with --evaluate: chat prompts, one a line ('#' and '[section]' lines skipped)")
+    parser.add_argument("--eval-limit", type=int, default=32, help="with --eval-prompts: the first this many")
     parser.add_argument("--cost-of", metavar="HEAD", help="time a draft step of HEAD against a target step "
                                                            "(step_costs) and print it; nothing else")
     args = parser.parse_args(argv)
@@ -187,6 +196,18 @@ def main(argv=None):
 
     target, tokenizer = modeling.load_model(args.target)
     layers = eagle.aux_layers_for(target.config.num_hidden_layers)
+    if args.evaluate:
+        prompts = None
+        if args.eval_prompts:
+            lines = [line.strip() for line in args.eval_prompts.read_text().splitlines()]
+            prompts = [line for line in lines if line and line[0] not in "#["][:args.eval_limit]
+        refs = held_out_reference(target, tokenizer, args.held_out_tokens, prompts=prompts)
+        for r in refs:
+            r["features"] = target_states(target, r["tokens"][None], layers)[0][0].half()
+        for spec in args.evaluate:
+            head = eagle.load_head(modeling.resolve(spec))
+            print(json.dumps({"head": spec, "prompts": len(refs), **evaluate(head, refs, args.steps)}))
+        return
     cached = args.work / f"eagle-states-{'-'.join(map(str, layers))}.pt"
     started = time.monotonic()
     if not cached.exists():
@@ -205,7 +226,12 @@ def main(argv=None):
 
     vocab = torch.tensor(json.loads((Path(modeling.resolve(args.vocab_from)) / "draft_vocab.json").read_text())
                          ["token_ids"])
-    head = initial_head(target, vocab, args.window)
+    if args.init:
+        head = eagle.load_head(modeling.resolve(args.init), window=args.window).train()
+        if not torch.equal(head.token_ids.cpu(), vocab):
+            raise SystemExit(f"--init {args.init}: its draft vocabulary is not --vocab-from's")
+    else:
+        head = initial_head(target, vocab, args.window)
     target_head = target.lm_head.weight.detach()[vocab].clone()  # the target's distribution over the draft vocab
     del target
     head.embed_tokens.weight.requires_grad_(False)  # the target's: the drafter borrows it

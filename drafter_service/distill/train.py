@@ -115,11 +115,13 @@ def distill_loss(student, head: torch.Tensor, batch) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def held_out_reference(target, tokenizer, max_new_tokens: int, temperature: float = 0.7):
-    """The target's greedy answers to the held-out prompts, and at each answer position
-    its distribution at `temperature` (top 256 tokens, which hold nearly all the mass)."""
+def held_out_reference(target, tokenizer, max_new_tokens: int, temperature: float = 0.7,
+                       prompts: list[str] | None = None):
+    """The target's greedy answers to the held-out prompts (or `prompts`), and at each
+    answer position its distribution at `temperature` (top 256 tokens, which hold nearly
+    all the mass)."""
     refs = []
-    for prompt in prompt_sets.HELD_OUT:
+    for prompt in prompts or prompt_sets.HELD_OUT:
         ids = torch.tensor([data.chat_ids(tokenizer, prompt)])
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                               do_sample=False, pad_token_id=tokenizer.pad_token_id)
