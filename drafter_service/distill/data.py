@@ -58,10 +58,10 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 def magpie_prompts(model, tokenizer, work: Path, count: int, seed: int, minutes: float,
                    batch_size: int = 48, max_new_tokens: int = 64) -> list[str]:
     """Prompts the target writes itself (Magpie, Xu et al. 2024): its chat template up to
-    where a user's turn begins, sampled at temperature 1 until the turn ends. An
-    instruction-tuned target writes the kinds of request it was tuned on, far more varied
-    than templates (measured: a head trained on template prompts agreed with the target
-    0.72 on answers it learnt from, 0.52 on unseen ones). Kept: turns that end within
+    where a user's turn begins, sampled at temperature 1 until the turn ends: the kinds of
+    request an instruction-tuned target was tuned on, not the templates' few. (Measured on
+    the default target's head: 1152 of them moved its first draft 0.449 -> 0.457 on held-out
+    chat and 0.506 -> 0.491 on unseen template prompts; its model card.) Kept: turns that end within
     `max_new_tokens`, of 4 tokens or more, each once, none a held-out prompt. Saved to
     --work as they come (`magpie-prompts.json`), so a stopped run resumes."""
     path = work / "magpie-prompts.json"

@@ -57,6 +57,14 @@ def extract(target, records: list[dict], layers: tuple[int, ...], batch: int = 8
     return out
 
 
+def with_features(target, refs: list[dict], layers: tuple[int, ...]) -> list[dict]:
+    """Each reference answer with the target's features at every position (half precision,
+    as the verifier sends them)."""
+    for r in refs:
+        r["features"] = target_states(target, r["tokens"][None], layers)[0][0].half()
+    return refs
+
+
 def initial_head(target, vocab: torch.Tensor, window: int) -> eagle.Eagle3Head:
     """A head started from the target: its layer from the target's high layer (the
     hidden half of q, k and v; the embedding half at zero), fc passing that layer's
@@ -201,9 +209,10 @@ def main(argv=None):
         if args.eval_prompts:
             lines = [line.strip() for line in args.eval_prompts.read_text().splitlines()]
             prompts = [line for line in lines if line and line[0] not in "#["][:args.eval_limit]
-        refs = held_out_reference(target, tokenizer, args.held_out_tokens, prompts=prompts)
-        for r in refs:
-            r["features"] = target_states(target, r["tokens"][None], layers)[0][0].half()
+            if not prompts:
+                raise SystemExit(f"--eval-prompts {args.eval_prompts}: no prompt in it")
+        refs = with_features(target, held_out_reference(target, tokenizer, args.held_out_tokens, prompts=prompts),
+                             layers)
         for spec in args.evaluate:
             head = eagle.load_head(modeling.resolve(spec))
             print(json.dumps({"head": spec, "prompts": len(refs), **evaluate(head, refs, args.steps)}))
@@ -219,10 +228,7 @@ def main(argv=None):
     refs_path = args.work / f"held_out-{args.held_out_tokens}.pt"
     if not refs_path.exists():
         torch.save(held_out_reference(target, tokenizer, args.held_out_tokens), refs_path)
-    refs = torch.load(refs_path)
-    for r in refs:
-        r["features"], _ = target_states(target, r["tokens"][None], layers)
-        r["features"] = r["features"][0].half()
+    refs = with_features(target, torch.load(refs_path), layers)
 
     vocab = torch.tensor(json.loads((Path(modeling.resolve(args.vocab_from)) / "draft_vocab.json").read_text())
                          ["token_ids"])

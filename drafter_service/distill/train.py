@@ -121,7 +121,7 @@ def held_out_reference(target, tokenizer, max_new_tokens: int, temperature: floa
     answer position its distribution at `temperature` (top 256 tokens, which hold nearly
     all the mass)."""
     refs = []
-    for prompt in prompts or prompt_sets.HELD_OUT:
+    for prompt in prompt_sets.HELD_OUT if prompts is None else prompts:
         ids = torch.tensor([data.chat_ids(tokenizer, prompt)])
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                               do_sample=False, pad_token_id=tokenizer.pad_token_id)
