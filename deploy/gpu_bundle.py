@@ -57,8 +57,9 @@ def pack(first: Path, second: Path, room: int = 64_300_000) -> None:
     names = sorted({m for mods, _ in MODULES.values() for m in mods})
     infos = sorted(p.name for p in site.glob("*.dist-info")
                    if any(p.name.startswith(pre) for _, pres in MODULES.values() for pre in pres))
-    first.mkdir(parents=True, exist_ok=True)
-    second.mkdir(parents=True, exist_ok=True)
+    for d in (first, second):  # a part left from an earlier pack would count against the room
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
     with tarfile.open(first / "pylib.tar.xz", "w:xz") as tar:
         for name in names + infos:
             if (site / name).exists():  # importlib_metadata and zipp are in the standard library of newer Pythons

