@@ -21,10 +21,10 @@ def main() -> int:
             static = engine.runner.static
             for t in (1, 8):
                 for _ in range(3):
-                    static._forward(t, 128)
+                    static._forward(t, 128, ())
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    static._forward(t, 128)
+                    static._forward(t, 128, ())
                     torch.cuda.synchronize()
                 events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
                 total = sum(e.self_device_time_total for e in events)

@@ -185,16 +185,32 @@ class _Part(torch.nn.Module):
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _int8_fused(linears: list[torch.nn.Module]) -> "Int8Linear | None":
+def _stacked(linears: list[torch.nn.Module]) -> "torch.nn.Linear | None":
+    """One Linear over the layers' stacked rows, in their dtype and on their device."""
     if not all(isinstance(m, torch.nn.Linear) for m in linears) or len({m.bias is None for m in linears}) > 1:
         return None
+    weight = linears[0].weight
     stacked = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
-                              bias=linears[0].bias is not None, dtype=linears[0].weight.dtype)
+                              bias=linears[0].bias is not None, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         stacked.weight.copy_(torch.cat([m.weight for m in linears]))
         if stacked.bias is not None:
             stacked.bias.copy_(torch.cat([m.bias for m in linears]))
-    return Int8Linear(stacked)
+    return stacked.requires_grad_(False)
+
+
+def _int8_fused(linears: list[torch.nn.Module]) -> "Int8Linear | None":
+    return None if (stacked := _stacked(linears)) is None else Int8Linear(stacked)
+
+
+def share_products(model) -> int:
+    """Linear layers that read the same input as one product in the model's own dtype (a
+    GPU's path: each product is a kernel launch, and a small model's step is launches);
+    -> how many products now serve two or more layers. Leaves layers already shared."""
+    before = sum(isinstance(m, _Shared) for m in model.modules())
+    for parent in list(model.modules()):
+        _share_inputs(parent, _stacked)
+    return sum(isinstance(m, _Shared) for m in model.modules()) - before
 
 
 def _share_inputs(parent: torch.nn.Module, fuse) -> None:

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec import modeling, quantize
 from specdec.engine import Engine
-from specdec.engine.model_runner import StaticPasses
+from specdec.engine.model_runner import FusedRMSNorm, StaticPasses, fuse_launches
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +162,36 @@ def test_batch_invariant_passes_give_a_row_the_same_bits_in_any_pass(dtype):
     # The same model's usual passes do differ (else this test could not fail).
     positions, rows, _ = bits_apart(model, invariant=0)
     assert positions + rows > 0
+
+
+def fused(dtype: torch.dtype):
+    """dense(dtype) as a GPU runs it: fewer launches a step (model_runner.fuse_launches)."""
+    model = dense(dtype)
+    fuse_launches(model)
+    return model
+
+
+def test_a_fused_model_computes_the_models_logits():
+    model, ours = dense(), fused(torch.float32)
+    assert sum(isinstance(m, FusedRMSNorm) for m in ours.modules()) == 2 * 2 + 1
+    assert all(hasattr(layer.self_attn, "shared_q_k_v") and hasattr(layer.mlp, "shared_gate_up")
+               for layer in ours.model.layers)
+    ids = torch.tensor([prompts(40, seed=4, vocab=8000)[0]])
+    with torch.no_grad():
+        theirs, mine = model(ids).logits, ours(ids).logits
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    engine = Engine(ours, 64 << 20, prefix_caching=False)  # its own forward, which takes a shared product once
+    try:
+        seq = engine.new_sequence()
+        seq.sync(0, ids[0].tolist())
+        torch.testing.assert_close(engine.forward_now(seq, 1)[0][-1], theirs[0, -1], rtol=1e-4, atol=1e-4)
+    finally:
+        engine.stop()
+    assert quantize.share_products(ours) == 0  # fused once
+
+
+def test_fused_batch_invariant_passes_give_a_row_the_same_bits_in_any_pass():
+    assert bits_apart(fused(torch.bfloat16), invariant=8) == (0, 0, 40 + 8)
 
 
 def test_batch_invariant_tokens_are_checked():
