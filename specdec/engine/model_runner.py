@@ -328,8 +328,7 @@ def _static_pass(model, pool: KVPool, dtype: torch.dtype, ids, positions, writes
 
 class FusedRMSNorm(torch.nn.Module):
     """Llama's RMSNorm as torch.rms_norm: one kernel on a GPU where the module's formula
-    launches seven (the sum of squares in float32, as there; the weight multiplies before
-    the cast back, so its bits are not transformers' module's)."""
+    launches seven; it rounds as that kernel does, not necessarily as the seven do."""
 
     def __init__(self, norm: torch.nn.Module):
         super().__init__()
