@@ -137,13 +137,14 @@ class RMSNorm(torch.nn.Module):
         return self._norm(x.float(), self.weight.float(), self.variance_epsilon).to(x.dtype)
 
 
-def replace_norms(model) -> int:
-    """Puts RMSNorm in place of the model's Llama-style norms; -> how many."""
+def replace_norms(model, norm=RMSNorm) -> int:
+    """Puts `norm(module)` (RMSNorm: this file's kernel) in place of the model's Llama-style
+    norms; -> how many."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ in RMSNorm.NORMS:
-                setattr(parent, name, RMSNorm(child))
+                setattr(parent, name, norm(child))
                 replaced += 1
     return replaced
 

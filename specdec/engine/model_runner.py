@@ -343,15 +343,10 @@ def fuse_launches(model) -> None:
     it computes: a 135M model's step was 1,424 launches): q, k and v as one product, gate
     and up as one, each norm one kernel. Every pass of the model runs through the same
     modules, so speculation's passes and the target alone's round alike."""
+    from specdec.ggml import replace_norms
     from specdec.quantize import share_products
 
-    products = share_products(model)
-    norms = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child).__name__ == "LlamaRMSNorm":
-                setattr(parent, name, FusedRMSNorm(child))
-                norms += 1
+    products, norms = share_products(model), replace_norms(model, FusedRMSNorm)
     log.info("%d shared products and %d norms in one kernel each", products, norms)
 
 
