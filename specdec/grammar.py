@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from specdec import sampling
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Precondition
 
@@ -119,13 +120,20 @@ def vocabulary(tokenizer, vocab_size: int, eos: list[int]) -> "Vocabulary | NoVo
 
 class Guide:
     """One output's place in its grammar: the matcher has consumed the tokens from `start`
-    to `end` (absolute positions)."""
+    to `end` (absolute positions).
+
+    An end of sequence consumed where the grammar had already stopped (nothing but the end
+    could come next) is a token llguidance (1.9.1) takes without counting it: a rollback
+    over it must count one fewer, or it undoes a token before it too (found checking drafts
+    that end an output, rolled back; vLLM's llguidance backend counts the same way). The
+    positions of such ends are `_uncounted`."""
 
     def __init__(self, vocab: Vocabulary, grammar: str, start: int):
         self.vocab, self.grammar, self.start = vocab, grammar, start
         self.matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0, limits=LIMITS)
         self.end = start
-        self._mask: torch.Tensor | None = None  # the mask after `end`, once computed
+        self._uncounted: list[int] = []
+        self._bits: np.ndarray | None = None  # the packed mask after `end`, once computed
 
     def sync(self, history: list[int], since: int | None = None) -> bool:
         """Consumes the history's tokens it has not; rolls back those it no longer holds,
@@ -133,25 +141,42 @@ class Guide:
         False where the grammar refuses one: the history is not the grammar's."""
         keep = len(history) if since is None else min(since, len(history))
         if keep < self.end:
-            back = self.end - max(keep, self.start)
-            self.matcher.rollback(back)
-            self.end -= back
-            self._mask = None
+            self._rollback(max(keep, self.start))
+            self._bits = None
         new = history[self.end:]
         if self.allowed(new) < len(new):  # checked first: a refused token ends the matcher for good
             return self._replay(history)
         if not new:
             return not self.matcher.is_error()
-        self.end += len(new)
-        self._mask = None
-        return self.matcher.consume_tokens(new)
+        self._bits = None
+        return self._take(new)
+
+    def _take(self, tokens: list[int]) -> bool:
+        """Consumes tokens the grammar allows (checked by the caller)."""
+        for token in tokens:
+            if self.matcher.is_stopped():
+                self._uncounted.append(self.end)
+            self.end += 1
+            if not self.matcher.consume_token(token):
+                return False
+        return True
+
+    def _rollback(self, to: int) -> None:
+        """Undoes the tokens from absolute position `to` on."""
+        uncounted = sum(position >= to for position in self._uncounted)
+        if uncounted:
+            self._uncounted = [position for position in self._uncounted if position < to]
+        if self.end - to - uncounted:
+            self.matcher.rollback(self.end - to - uncounted)
+        self.end = to
 
     def _replay(self, history: list[int]) -> bool:
         """A fresh matcher over the whole output, where the incremental one refused a token
         of it: seen on a verifier under full CPU load (three benchmark runs beside a
         compiler, 2 cores), the refused token a pick of its own; not reproduced without
-        that load nor by randomized advance / masks / rollback sequences. A fresh matcher
-        took the same output."""
+        that load. A fresh matcher took the same output. (One way to a matcher behind its
+        output was found later: masks over drafts that end the output, rolled back over an
+        uncounted end; see the class. This stays for any other.)"""
         fresh = llguidance.LLMatcher(self.vocab.tokenizer, self.grammar, log_level=0, limits=LIMITS)
         output = history[self.start:]
         if fresh.validate_tokens(output) < len(output) if output else False:
@@ -159,40 +184,64 @@ class Guide:
         log.warning("constraint: the matcher refused token %d at position %d of an output it allows; "
                     "replayed %d tokens on a fresh one", history[self.end + self.allowed(history[self.end:])],
                     self.end + self.allowed(history[self.end:]), len(output))
-        fresh.consume_tokens(output)
-        self.matcher, self.end, self._mask = fresh, len(history), None
-        return True
+        self.matcher, self.end, self._uncounted, self._bits = fresh, self.start, [], None
+        return self._take(output)
 
     def advance(self, token: int) -> bool:
         """Consumes one more token; False (consuming nothing) where the grammar refuses it."""
         if not self.allowed([token]):
             return False
-        self.end += 1
-        self._mask = None
-        return self.matcher.consume_token(token)
+        self._bits = None
+        return self._take([token])
 
     def mask(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next (the eos tokens where it accepts)."""
-        if self._mask is None:
-            self._mask = self._compute()
-        return self._mask
+        return self._unpack(self._packed())
 
-    def _compute(self) -> torch.Tensor:
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+    def _packed(self) -> np.ndarray:
+        if self._bits is None:
+            self._bits = self._compute()
+        return self._bits
+
+    def _compute(self) -> np.ndarray:
+        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+
+    def _unpack(self, bits: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab.vocab_size].astype(bool))
 
     def masks(self, drafts: list[int]) -> torch.Tensor:
         """[len(drafts) + 1, vocab]: the mask after each prefix of the drafts, up to the first
         one the grammar forbids (the rows after it repeat its mask: a round never reaches
         them, the forbidden draft is rejected). The matcher ends where it began."""
-        rows, taken = [self.mask()], self.allowed(drafts)
+        rows, taken, end = [self.mask()], self.allowed(drafts), self.end
         for token in drafts[:taken]:
-            self.matcher.consume_token(token)
-            rows.append(self._compute())
+            self._take([token])
+            rows.append(self._unpack(self._compute()))
         rows.extend(rows[-1:] * (len(drafts) - taken))
-        if taken:
-            self.matcher.rollback(taken)
+        self._rollback(end)
         return torch.stack(rows)
+
+    def greedy(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+        """Each row's greedy token under the masks `masks(drafts)` gives ([len(drafts) + 1,
+        vocab] logits), as argmax(apply(logits, masks)) picks them, applying a row's mask
+        only where it forbids the row's first choice: the first of a row's equal maxima,
+        where allowed, is the first of those allowed. The mask decides, not
+        validate_tokens: where the grammar forces the next bytes, the mask allows only the
+        token the tokenizer writes them as (`":`), validate_tokens any prefix of it too (`"`)."""
+        firsts, picks = sampling.argmax(logits), []
+        taken, end = self.allowed(drafts), self.end
+        bits = self._packed()
+        for i, first in enumerate(firsts):
+            if 0 < i <= taken:  # past a forbidden draft, the rows repeat its mask
+                self._take([drafts[i - 1]])
+                bits = self._compute()
+            if bits[first >> 3] >> (first & 7) & 1:
+                picks.append(first)
+            else:
+                mask = self._unpack(bits)
+                picks.append(sampling.argmax(apply(logits[i:i + 1], mask[None]))[0])
+        self._rollback(end)
+        return picks
 
     def allowed(self, drafts: list[int]) -> int:
         """How many of the drafts, in order, the grammar allows."""
@@ -209,7 +258,7 @@ class Guide:
     def dead(self) -> bool:
         """No token can come next: the grammar failed (a step over its limits), or it
         allows nothing where it does not accept."""
-        return self.matcher.is_error() or not bool(self.mask().any())
+        return self.matcher.is_error() or not self._packed().any()
 
     @property
     def error(self) -> str:

@@ -37,7 +37,8 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
     seq.sync(request.start, list(request.new_tokens))
     n = len(seq.tokens)  # committed length: drafts start here
     drafts = list(request.draft_tokens)
-    masks = None if guide is None else constrained(guide, seq.tokens, request.start, drafts)
+    if guide is not None:
+        constrained(guide, seq.tokens, request.start)
     layers, first = tuple(request.features.layers), request.features.first_position
     rows = features = None
     held, cached = _cached_features(cache, layers, seq.tokens, first)
@@ -48,9 +49,8 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
     else:
         logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
     logits = sampling.penalize(logits, request.sampling, seq.tokens, n)
-    if masks is not None:
-        logits = grammar.apply(logits, masks)
-    accepted, token = judge(logits, drafts, list(request.draft_probs), request.sampling, n)
+    accepted, token, logits = judge(logits, drafts, list(request.draft_probs), request.sampling, n, guide,
+                                    request.logprobs)
     logprobs = [token_logprobs(logits[i], t, request.top_logprobs)
                 for i, t in enumerate(drafts[:accepted] + [token])] if request.logprobs else []
     if rows is not None:
@@ -120,7 +120,7 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     tail = _pending(cache, session, request)
     seq.sync(request.start, list(request.new_tokens))
     if guide is not None:
-        constrained(guide, seq.tokens, request.start, [])
+        constrained(guide, seq.tokens, request.start)
     layers, first = tuple(request.features.layers), request.features.first_position
     end = len(seq.tokens) + min(request.max_tokens, max_positions - len(seq.tokens))
     stop, params = set(request.stop_token_ids), request.sampling
@@ -144,9 +144,7 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
         nonlocal pending, by_lookup
         position = len(seq.tokens) - len(pending)  # of the pass's first pick
         logits = sampling.penalize(logits, params, seq.tokens, position)
-        if guide is not None:
-            logits = grammar.apply(logits, guide.masks(pending))
-        accepted, token = judge(logits, pending, [], params, position)
+        accepted, token, logits = judge(logits, pending, [], params, position, guide, request.logprobs)
         if by_lookup:
             state.lookup_passed = accepted
         tokens = sampling.until_stop(pending[:accepted] + [token], stop)[:end - position]
@@ -194,32 +192,37 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
 
 
 def judge(logits: torch.Tensor, drafts: list[int], draft_probs: list[common_pb2.SparseDistribution],
-          params: common_pb2.SamplingParams, start: int) -> tuple[int, int]:
+          params: common_pb2.SamplingParams, start: int, guide: grammar.Guide | None = None,
+          logprobs: bool = False) -> tuple[int, int, torch.Tensor]:
     """The acceptance rule over a pass's logits after the committed tokens and each draft
-    [K+1, vocab] (drafts from absolute position `start`): (accepted, the target's token)."""
+    [K+1, vocab] (drafts from absolute position `start`), masked by the constraint where
+    there is one (`guide`, where the committed tokens are): (accepted, the target's token,
+    the logits masked, as log-probabilities read them where they are asked for)."""
+    if guide is not None and sampling.is_greedy(params) and not logprobs:
+        return *accept_greedy(guide.greedy(logits, drafts), drafts), logits
+    if guide is not None:
+        logits = grammar.apply(logits, guide.masks(drafts))
     if sampling.is_greedy(params):
-        return accept_greedy(sampling.argmax(logits), drafts)
+        return *accept_greedy(sampling.argmax(logits), drafts), logits
     # The rule runs on the host, from one copy of p per round (K+1 rows): its draws come
     # from host generators keyed by position, whatever the model's device.
     p = sampling.probs(logits, params).cpu()
     q = dense_q(draft_probs, drafts, p.shape[-1])
-    return accept_sampled(p, q, drafts, start, Draws(params.seed, "accept"), Draws(params.seed, "target"))
+    return *accept_sampled(p, q, drafts, start, Draws(params.seed, "accept"), Draws(params.seed, "target")), logits
 
 
-def constrained(guide: grammar.Guide, committed: list[int], start: int, drafts: list[int]) -> torch.Tensor:
-    """The constraint's masks for a pass after `committed` over the drafts; [K+1, vocab].
-    `start`: the call's, from which the committed tokens may differ from those the guide
-    took (a run's last picks its caller never read). INVALID_ARGUMENT where the committed
-    output is not the grammar's, or it allows no token."""
+def constrained(guide: grammar.Guide, committed: list[int], start: int) -> None:
+    """Brings the constraint to a pass after `committed`. `start`: the call's, from which
+    the committed tokens may differ from those the guide took (a run's last picks its
+    caller never read). INVALID_ARGUMENT where the committed output is not the grammar's,
+    or it allows no token."""
     if not guide.sync(committed, since=start):
         refused = guide.end + guide.allowed(committed[guide.end:])
         raise InvalidArgument("new_tokens", f"the session's constraint does not allow token {committed[refused]} "
                                             f"at position {refused} (constrained from {guide.start})")
-    masks = guide.masks(drafts)
-    if not masks[0].any():
+    if guide.dead:
         raise InvalidArgument("constraint", "allows no token after the committed tokens "
                                             f"({guide.error or 'the grammar ends without accepting'})")
-    return masks
 
 
 def accept_greedy(target_argmax: list[int], drafts: list[int]) -> tuple[int, int]:

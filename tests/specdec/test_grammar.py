@@ -59,6 +59,59 @@ def test_masks_follow_the_drafts_up_to_the_first_forbidden_one(vocab, smol_token
     assert guide.end == 0 and torch.equal(guide.mask(), masks[0])  # the matcher is where it was
 
 
+def test_greedy_picks_are_those_of_the_masked_logits(vocab, smol_tokenizer):
+    """Guide.greedy reads a row's mask at its first choice instead of applying it: at
+    every place of an output, over drafts that the grammar allows and drafts it stops at,
+    with logits whose first choice the mask often forbids (a token no object allows; a
+    quote alone where the grammar forces a quote and more, which validate_tokens allows
+    and the mask does not) and with ties, its picks are argmax of the masked logits, and
+    the matcher ends where it began."""
+    answer = ids(smol_tokenizer, '{"name": "Ada Lovelace", "age": 36}') + [2]
+    forbidden, quote = ids(smol_tokenizer, "]")[0], ids(smol_tokenizer, '"')[0]
+    generator = torch.Generator().manual_seed(0)
+    guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(SCHEMA)), 0)
+    fell_back = validated = 0
+    for place in range(len(answer)):
+        assert guide.sync(answer[:place])
+        stopped = answer[place:place + 1] + [forbidden] + answer[place + 2:place + 3]
+        for drafts in (answer[place:place + 3], stopped, []):
+            for first_choice in (forbidden, quote, None):
+                logits = torch.randn(len(drafts) + 1, len(smol_tokenizer), generator=generator)
+                if first_choice is None:
+                    logits[:, answer[place]] = logits[:, 0] = logits.max() + 1  # a tie: the first is picked
+                else:
+                    logits[:, first_choice] += 10.0
+                picks = guide.greedy(logits, drafts)
+                masks = guide.masks(drafts)
+                assert picks == torch.argmax(grammar.apply(logits, masks), dim=-1).tolist()
+                firsts = torch.argmax(logits, dim=-1).tolist()
+                fell_back += sum(first != pick for first, pick in zip(firsts, picks))
+                validated += sum(first == quote and not masks[0, quote] and guide.allowed([quote]) == 1
+                                 for first in firsts[:1])
+                assert guide.end == place and torch.equal(guide.mask(), masks[0])
+    assert fell_back > 10 and validated  # rows picked from their masks, some of a token validate_tokens allows
+
+
+def test_drafts_past_the_end_leave_the_matcher_where_it_was(vocab, smol_tokenizer):
+    """An end of sequence after the grammar stopped is a token llguidance takes without
+    counting: masks and picks over drafts that end the output, and a history cut back over
+    its end, leave the matcher at the committed tokens (it allows what a fresh one does)."""
+    answer = ids(smol_tokenizer, '{"name": "Ada", "age": 3')
+    closing = ids(smol_tokenizer, "}")
+    guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(SCHEMA)), 0)
+    reference = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(SCHEMA)), 0)
+    assert reference.sync(answer)
+    assert guide.sync(answer)
+    drafts = closing + [2, 2]
+    guide.masks(drafts)
+    guide.greedy(torch.zeros(len(drafts) + 1, len(smol_tokenizer)), drafts)
+    assert torch.equal(guide.mask(), reference.mask()) and guide.allowed(closing) == 1
+    assert guide.sync(answer + closing + [2])  # the output's end, then cut back to the answer
+    assert guide.sync(answer, since=len(answer))
+    assert guide.end == len(answer) and torch.equal(guide.mask(), reference.mask())
+    assert guide.sync(answer + closing + [2])
+
+
 def test_forced_tokens_are_the_schemas_fixed_text(vocab, smol_tokenizer):
     """The bytes a schema fixes, as the tokenizer writes them (its last token held back
     where a longer one could still start there)."""
