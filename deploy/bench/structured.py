@@ -1,8 +1,9 @@
 """Structured work: `specdec bench structured`.
 
 Prompts that ask for JSON against a schema (deploy/bench/structured_prompts.jsonl: 16 field
-extractions from a sentence, 16 function calls from a tool list, each with its schema;
-none is a template of another), through one deployment as `specdec up` starts it, one
+extractions from a sentence, 16 function calls from a tool list, each with its schema,
+its strings bounded to 48 characters and its lists to 5 items; none is a template of
+another), through one deployment as `specdec up` starts it, one
 at a time, greedy, each output constrained by its schema. Each prompt is sent
   defaults       the deployment's defaults (K per round; the grammar's forced tokens drafted)
   k0             K = 0: the target alone under the same constraint (must equal the defaults)
@@ -225,7 +226,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--prompts", type=Path, default=harness.STRUCTURED_PROMPTS,
                         help="JSON lines: task, prompt, schema")
     parser.add_argument("--limit", type=int, help="at most this many prompts (spread over the file)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=256,
+                        help="room for every output the workload's schemas allow (their strings and lists are bounded)")
     parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp's bin directory: llama-server beside ours")
     parser.add_argument("--concurrency", type=int, default=1,
                         help="then every prompt from this many clients at once, defaults against K = 0 (1: no load)")
