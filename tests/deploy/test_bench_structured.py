@@ -39,3 +39,17 @@ def test_the_workload_is_32_prompts_with_valid_schemas():
     assert len(rows) == 32 and sum(r["task"] == "call" for r in rows) == 16
     for row in rows:
         jsonschema.Draft202012Validator.check_schema(row["schema"])
+        assert not list(unbounded(row["schema"])), row["prompt"]  # a loop ends within the schema, not at the cap
+
+
+def unbounded(node):
+    """The strings without maxLength and lists without maxItems in a schema."""
+    if isinstance(node, dict):
+        if node.get("type") == "string" and "maxLength" not in node \
+                or node.get("type") == "array" and "maxItems" not in node:
+            yield node
+        for value in node.values():
+            yield from unbounded(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from unbounded(value)
