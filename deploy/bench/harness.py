@@ -266,6 +266,23 @@ def penalties_processor(prompt_length: int, frequency_penalty: float = 0.0, pres
     return Penalised()
 
 
+def constraint_processor(guide):
+    """The target alone under a constraint for transformers' `generate` (a LogitsProcessor):
+    the grammar's whole mask applied at each step, as the target alone is defined, not
+    the verifier's shortcuts. `guide`: a specdec.grammar.Guide from the prompt's end."""
+    from transformers import LogitsProcessor
+
+    from specdec import grammar
+
+    class Masked(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not guide.sync(input_ids[0].tolist()):
+                raise RuntimeError("the reference's output left its grammar")
+            return grammar.apply(scores, guide.mask()[None].to(scores.device))
+
+    return Masked()
+
+
 def gguf_of(target: str) -> str:
     gguf = modeling.gguf_file(target)
     if gguf is None:

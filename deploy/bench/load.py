@@ -237,23 +237,31 @@ def chart(cells: dict, path: Path) -> None:
 
 
 def reference_outputs(target: str, dtype: str, device: str, numerics: str, prompts: list[list[int]],
-                      which: list[int], max_new_tokens: int, penalties: dict | None = None):
-    """The target's own greedy output (transformers `generate`, with the run's penalties)
-    per prompt, for the prompts at `which`."""
+                      which: list[int], max_new_tokens: int, penalties: dict | None = None,
+                      constraints: list | None = None):
+    """The target's own greedy output (transformers `generate`, with the run's penalties,
+    under each prompt's constraint where `constraints` gives one: a common_pb2.Constraint
+    a prompt) per prompt, for the prompts at `which`."""
     import torch
     from transformers import LogitsProcessorList
 
+    from specdec import grammar
     from specdec.quantize import quantize
 
-    model = quantize(modeling.load_model(target, dtype, device)[0], numerics)
+    model, tokenizer = modeling.load_model(target, dtype, device)
+    model = quantize(model, numerics)
+    vocab = grammar.vocabulary(tokenizer, model.config.vocab_size, modeling.eos_token_ids(model, tokenizer)) \
+        if constraints else None
     out = {}
     with torch.inference_mode():
         for i in which:
             ids = prompts[i]
+            processors = [harness.penalties_processor(len(ids), **penalties)] if penalties else []
+            if constraints:
+                processors.append(harness.constraint_processor(vocab.guide(constraints[i], len(ids))))
             generated = model.generate(torch.tensor([ids], device=device), do_sample=False,
                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-                                       max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList(
-                                           [harness.penalties_processor(len(ids), **penalties)] if penalties else []))
+                                       max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList(processors))
             out[i] = generated[0, len(ids):].tolist()
     return out
 

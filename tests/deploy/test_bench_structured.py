@@ -20,6 +20,7 @@ def test_bench_structured_runs_each_prompt_three_ways(tiny_pair, tmp_path):
     assert len(rows) == 4 and {r["task"] for r in rows} == {"extract", "call"}
     for row in rows:
         assert row["same"] and set(row["runs"]) == {"defaults", "k0", "k0-free"}
+        assert row["target_alone"]  # K = 0 under the schema is the target's own generate under it
         assert row["runs"]["defaults"]["text"].startswith("{")  # under the schema
         if row["finish"] == "FINISH_REASON_STOP":
             assert row["valid"]
@@ -30,6 +31,7 @@ def test_bench_structured_runs_each_prompt_three_ways(tiny_pair, tmp_path):
                for p in report["load"])
     text = (out / "structured.md").read_text()
     assert "| all | 4 |" in text and "under load: every prompt from 2 clients" in text
+    assert report["summary"]["all"]["target_alone"] == 4
 
 
 def test_the_workload_is_32_prompts_with_valid_schemas():
