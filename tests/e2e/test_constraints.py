@@ -11,9 +11,10 @@ import grpc
 import jsonschema
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from cluster import generate, pb
+from deploy.bench import harness
 from specdec import grammar
 from specdec.common.v1 import common_pb2
 
@@ -31,22 +32,12 @@ PROMPTS = ["Reply in JSON: is the sky blue?", "Shopping list: eggs, milk, bread,
 MAX_NEW = 48
 
 
-class Masked(LogitsProcessor):
-    """transformers' generate under a constraint: the target alone, masked as the verifier masks."""
-
-    def __init__(self, guide: grammar.Guide):
-        self.guide = guide
-
-    def __call__(self, input_ids, scores):
-        assert self.guide.sync(input_ids[0].tolist())
-        return grammar.apply(scores, self.guide.mask()[None])
-
-
 def constrained_reference(model, vocab: grammar.Vocabulary, constraint, ids: list[int], max_new: int) -> list[int]:
     guide = vocab.guide(constraint, len(ids))
     out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new,
                          attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         logits_processor=LogitsProcessorList([Masked(guide)]), eos_token_id=2, pad_token_id=2)
+                         logits_processor=LogitsProcessorList([harness.constraint_processor(guide)]),
+                         eos_token_id=2, pad_token_id=2)
     return out[0, len(ids):].tolist()
 
 
