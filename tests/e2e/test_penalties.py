@@ -101,7 +101,8 @@ def test_penalties_under_a_constraint_match_the_target_alone(tiny_cluster, tiny_
     """The penalties, then the constraint's mask: greedy output token-identical to
     transformers' generate with both, at K chosen per round and at 4 (forced tokens and
     lookup matches drafted, penalised as any draft)."""
-    from e2e.test_constraints import Masked, REGEX
+    from deploy.bench import harness
+    from e2e.test_constraints import REGEX
     from specdec import grammar
     from specdec.common.v1 import common_pb2
 
@@ -114,7 +115,7 @@ def test_penalties_under_a_constraint_match_the_target_alone(tiny_cluster, tiny_
         ids = smol_tokenizer(prompt)["input_ids"]
 
         def reference(**fields):
-            processors = [Masked(vocab.guide(constraint, len(ids)))]
+            processors = [harness.constraint_processor(vocab.guide(constraint, len(ids)))]
             if fields:
                 processors.insert(0, penalties_processor(len(ids), **fields))
             out = tiny_pair[2].generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW,
