@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -28,22 +29,24 @@
 
 namespace {
 
-// sum of a[i] * b[i] over d values (a: the query, already float64), in float64: two sets of
-// four sums (i % 8 < 4 and the rest), added lane by lane, then (v0 + v2) + (v1 + v3).
-// AVX-512 keeps the two sets in one vector: the same operations on each sum.
-inline double dot(const double* a, const float* b, int64_t d) {
+// sum of a[i] * b[i] over d values (a: the query, b: a key, both already float64: a
+// float's conversion is exact, so a key converted once serves every query that reads it), in
+// float64: two sets of four sums (i % 8 < 4 and the rest), added lane by lane, then
+// (v0 + v2) + (v1 + v3). AVX-512 keeps the two sets in one vector: the same operations on
+// each sum.
+inline double dot(const double* a, const double* b, int64_t d) {
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   __m512d acc = _mm512_setzero_pd();
-  for (; i + 8 <= d; i += 8) acc = _mm512_fmadd_pd(_mm512_loadu_pd(a + i), _mm512_cvtps_pd(_mm256_loadu_ps(b + i)), acc);
+  for (; i + 8 <= d; i += 8) acc = _mm512_fmadd_pd(_mm512_loadu_pd(a + i), _mm512_loadu_pd(b + i), acc);
   double v[4];
   _mm256_storeu_pd(v, _mm256_add_pd(_mm512_castpd512_pd256(acc), _mm512_extractf64x4_pd(acc, 1)));
   double s = (v[0] + v[2]) + (v[1] + v[3]);
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
   for (; i + 8 <= d; i += 8) {
-    acc0 = _mm256_fmadd_pd(_mm256_loadu_pd(a + i), _mm256_cvtps_pd(_mm_loadu_ps(b + i)), acc0);
-    acc1 = _mm256_fmadd_pd(_mm256_loadu_pd(a + i + 4), _mm256_cvtps_pd(_mm_loadu_ps(b + i + 4)), acc1);
+    acc0 = _mm256_fmadd_pd(_mm256_loadu_pd(a + i), _mm256_loadu_pd(b + i), acc0);
+    acc1 = _mm256_fmadd_pd(_mm256_loadu_pd(a + i + 4), _mm256_loadu_pd(b + i + 4), acc1);
   }
   double v[4];
   _mm256_storeu_pd(v, _mm256_add_pd(acc0, acc1));
@@ -53,6 +56,15 @@ inline double dot(const double* a, const float* b, int64_t d) {
 #endif
   for (; i < d; ++i) s += a[i] * b[i];
   return s;
+}
+
+// b[i] = a[i] for d floats (exact).
+inline void widen(const float* a, double* b, int64_t d) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + 4 <= d; i += 4) _mm256_storeu_pd(b + i, _mm256_cvtps_pd(_mm_loadu_ps(a + i)));
+#endif
+  for (; i < d; ++i) b[i] = a[i];
 }
 
 using specdec_exp::exp_nonpositive;
@@ -69,17 +81,19 @@ inline void exp_shifted(double* s, int64_t n, double top) {
   for (; j < n; ++j) s[j] = exp_nonpositive(s[j] - top);
 }
 
-// out[i] = sum over j < n of p[j] * v_j[i], j in order, for the d values of each v_j
-// (v_j at v + offsets[j]), in float64: each out[i] is acc = fma(p[j], v_j[i], acc) from
-// 0 (plain multiply-adds for the last d % 4). Blocks of 32 values (64 on AVX-512) keep their
-// sums in registers across all j (a sum kept in memory cost a load and a store per key).
-inline void weighted_sum(const double* p, const float* v, const int64_t* offsets, int64_t n, double* out, int64_t d) {
+// out[i] += sum over j0 <= j < j1 of p[j] * v_j[i], j in order, for the d values of each v_j
+// (v_j at v + offsets[j]), in float64: each out[i] goes on as acc = fma(p[j], v_j[i], acc)
+// (plain multiply-adds for the last d % 4), so a sum taken in several ranges is the sum
+// taken in one. Blocks of 32 values (64 on AVX-512) keep their sums in registers across the
+// range (a sum kept in memory cost a load and a store per key).
+inline void weighted_sum(const double* p, const float* v, const int64_t* offsets, int64_t j0, int64_t j1,
+                         double* out, int64_t d) {
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   for (; i + 64 <= d; i += 64) {  // a head of 64 values at once (the default target's)
     __m512d acc[8];
-    for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_pd();
-    for (int64_t j = 0; j < n; ++j) {
+    for (int r = 0; r < 8; ++r) acc[r] = _mm512_loadu_pd(out + i + 8 * r);
+    for (int64_t j = j0; j < j1; ++j) {
       const __m512d pj = _mm512_set1_pd(p[j]);
       const float* vj = v + offsets[j] + i;
       for (int r = 0; r < 8; ++r) acc[r] = _mm512_fmadd_pd(pj, _mm512_cvtps_pd(_mm256_loadu_ps(vj + 8 * r)), acc[r]);
@@ -90,8 +104,8 @@ inline void weighted_sum(const double* p, const float* v, const int64_t* offsets
 #if defined(__AVX2__) && defined(__FMA__)
   for (; i + 32 <= d; i += 32) {
     __m256d acc[8];
-    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_pd();
-    for (int64_t j = 0; j < n; ++j) {
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_pd(out + i + 4 * r);
+    for (int64_t j = j0; j < j1; ++j) {
       const __m256d pj = _mm256_set1_pd(p[j]);
       const float* vj = v + offsets[j] + i;
       for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_pd(pj, _mm256_cvtps_pd(_mm_loadu_ps(vj + 4 * r)), acc[r]);
@@ -99,17 +113,85 @@ inline void weighted_sum(const double* p, const float* v, const int64_t* offsets
     for (int r = 0; r < 8; ++r) _mm256_storeu_pd(out + i + 4 * r, acc[r]);
   }
   for (; i + 4 <= d; i += 4) {
-    __m256d acc = _mm256_setzero_pd();
-    for (int64_t j = 0; j < n; ++j)
+    __m256d acc = _mm256_loadu_pd(out + i);
+    for (int64_t j = j0; j < j1; ++j)
       acc = _mm256_fmadd_pd(_mm256_set1_pd(p[j]), _mm256_cvtps_pd(_mm_loadu_ps(v + offsets[j] + i)), acc);
     _mm256_storeu_pd(out + i, acc);
   }
 #endif
   for (; i < d; ++i) {
-    double acc = 0.0;
-    for (int64_t j = 0; j < n; ++j) acc += p[j] * v[offsets[j] + i];
+    double acc = out[i];
+    for (int64_t j = j0; j < j1; ++j) acc += p[j] * v[offsets[j] + i];
     out[i] = acc;
   }
+}
+
+// weighted_sum for two queries at once over the keys both read (j0 <= j < j1), d a multiple
+// of 64 on AVX-512: each value of v_j converted once for both; each query's sums the same
+// operations, in the same order, as weighted_sum's. -> whether it could (else nothing done).
+inline bool weighted_sum2(const double* pa, const double* pb, const float* v, const int64_t* offsets, int64_t j0,
+                          int64_t j1, double* outa, double* outb, int64_t d) {
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if (d % 64) return false;
+  for (int64_t i = 0; i < d; i += 64) {
+    __m512d a[8], b[8];
+    for (int r = 0; r < 8; ++r) a[r] = _mm512_loadu_pd(outa + i + 8 * r), b[r] = _mm512_loadu_pd(outb + i + 8 * r);
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m512d paj = _mm512_set1_pd(pa[j]), pbj = _mm512_set1_pd(pb[j]);
+      const float* vj = v + offsets[j] + i;
+      for (int r = 0; r < 8; ++r) {
+        const __m512d x = _mm512_cvtps_pd(_mm256_loadu_ps(vj + 8 * r));
+        a[r] = _mm512_fmadd_pd(paj, x, a[r]);
+        b[r] = _mm512_fmadd_pd(pbj, x, b[r]);
+      }
+    }
+    for (int r = 0; r < 8; ++r) _mm512_storeu_pd(outa + i + 8 * r, a[r]), _mm512_storeu_pd(outb + i + 8 * r, b[r]);
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The queries of one key-value head that one row's tokens ask in a pass (`n` of them; query
+// i attends `lengths[i]` positions), in one walk over its keys and values: each key and
+// value is read, and converted, once for all of them, where a walk per query read it once
+// per query (a pass of several tokens, and the heads that share it). Each query's scores,
+// weights and sums are the same operations in the same order as a walk of its own.
+void attend_queries(const double* queries, const int64_t* lengths, int64_t n, int64_t d, const float* kp,
+                    const float* vp, const int64_t* at, double scale, double* scores, int64_t L, double* key,
+                    double* acc, float* const* outs) {
+  int64_t longest = 0;
+  for (int64_t q = 0; q < n; ++q) longest = std::max(longest, lengths[q]);
+  std::vector<double> top(n, -INFINITY);
+  for (int64_t j = 0; j < longest; ++j) {
+    widen(kp + at[j], key, d);
+    for (int64_t q = 0; q < n; ++q) {
+      if (j >= lengths[q]) continue;
+      const double s = dot(queries + q * d, key, d) * scale;
+      scores[q * L + j] = s;
+      top[q] = std::max(top[q], s);
+    }
+  }
+  for (int64_t q = 0; q < n; ++q) {
+    double* s = scores + q * L;
+    exp_shifted(s, lengths[q], top[q]);  // now the weights
+    double total = 0.0;
+    for (int64_t j = 0; j < lengths[q]; ++j) total += s[j];
+    top[q] = total;
+  }
+  std::fill(acc, acc + n * d, 0.0);
+  int64_t q = 0;
+  for (; q + 2 <= n; q += 2) {
+    const int64_t both = std::min(lengths[q], lengths[q + 1]);
+    double *a = acc + q * d, *b = acc + (q + 1) * d;
+    if (!weighted_sum2(scores + q * L, scores + (q + 1) * L, vp, at, 0, both, a, b, d)) break;
+    weighted_sum(scores + q * L, vp, at, both, lengths[q], a, d);
+    weighted_sum(scores + (q + 1) * L, vp, at, both, lengths[q + 1], b, d);
+  }
+  for (; q < n; ++q) weighted_sum(scores + q * L, vp, at, 0, lengths[q], acc + q * d, d);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < d; ++k) outs[i][k] = static_cast<float>(acc[i * d + k] / top[i]);
 }
 
 }  // namespace
@@ -120,27 +202,52 @@ inline void weighted_sum(const double* p, const float* v, const int64_t* offsets
 // position + 1) -> out: T x H x d float32, softmax(scale * q k) v over those positions,
 // head h reading key-value head h / (H / KVH). The caller has checked the table
 // (check_table).
+// The work: for each run of consecutive tokens of one row and each key-value head, its
+// queries (those tokens x the heads that read it), in blocks small enough that both
+// threads get work in a one-token pass. Each query's result is computed on its own
+// arithmetic whatever its block: batch invariant by construction.
 void attend(const float* qp, int64_t T, int64_t H, int64_t d, const float* kp, const float* vp, int64_t KVH,
             const int64_t* sp, int64_t L, const int64_t* rp, const int64_t* lp, double scale, float* op) {
   const int64_t group = H / KVH;
-  at::parallel_for(0, T * H, 8, [&](int64_t begin, int64_t end) {
-    std::vector<double> scores(L), acc(d), query(d);
-    std::vector<int64_t> at(L);  // where each position's key and value lie in the pools
-    for (int64_t th = begin; th < end; ++th) {
-      const int64_t t = th / H, h = th % H, kv = h / group, n = lp[t];
-      const int64_t* row_slots = sp + rp[t] * L;
-      for (int64_t i = 0; i < d; ++i) query[i] = qp[th * d + i];  // exact: converted once, not per key
-      double top = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        at[j] = (row_slots[j] * KVH + kv) * d;
-        scores[j] = dot(query.data(), kp + at[j], d) * scale;
-        top = std::max(top, scores[j]);
+  struct Block { int64_t t0, tokens, kv, first, count; };  // queries first..first+count of (t0.., kv)
+  std::vector<Block> blocks;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  for (int64_t t0 = 0; t0 < T;) {
+    int64_t t1 = t0 + 1;
+    while (t1 < T && rp[t1] == rp[t0]) ++t1;
+    const int64_t queries = (t1 - t0) * group;
+    // as many blocks as keep every thread busy twice over, no more (each block reads its keys once)
+    const int64_t wanted = std::max<int64_t>(1, (2 * threads + KVH - 1) / KVH);
+    const int64_t size = std::max<int64_t>(1, (queries + wanted - 1) / wanted);
+    for (int64_t kv = 0; kv < KVH; ++kv)
+      for (int64_t first = 0; first < queries; first += size)
+        blocks.push_back({t0, t1 - t0, kv, first, std::min(size, queries - first)});
+    t0 = t1;
+  }
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> scores, queries, acc, key(d);
+    std::vector<int64_t> at(L), lengths;
+    std::vector<float*> outs;
+    for (int64_t b = begin; b < end; ++b) {
+      const Block& block = blocks[b];
+      const int64_t* row_slots = sp + rp[block.t0] * L;
+      scores.resize(block.count * L);
+      queries.resize(block.count * d);
+      acc.resize(block.count * d);
+      lengths.resize(block.count);
+      outs.resize(block.count);
+      int64_t longest = 0;
+      for (int64_t i = 0; i < block.count; ++i) {  // query i: token first / group's head first % group
+        const int64_t t = block.t0 + (block.first + i) / group, h = block.kv * group + (block.first + i) % group;
+        const int64_t th = t * H + h;
+        for (int64_t k = 0; k < d; ++k) queries[i * d + k] = qp[th * d + k];  // exact: converted once, not per key
+        lengths[i] = lp[t];
+        outs[i] = op + th * d;
+        longest = std::max(longest, lp[t]);
       }
-      exp_shifted(scores.data(), n, top);  // now the weights
-      double total = 0.0;
-      for (int64_t j = 0; j < n; ++j) total += scores[j];
-      weighted_sum(scores.data(), vp, at.data(), n, acc.data(), d);
-      for (int64_t i = 0; i < d; ++i) op[th * d + i] = static_cast<float>(acc[i] / total);
+      for (int64_t j = 0; j < longest; ++j) at[j] = (row_slots[j] * KVH + block.kv) * d;
+      attend_queries(queries.data(), lengths.data(), block.count, d, kp, vp, at.data(), scale, scores.data(), L,
+                     key.data(), acc.data(), outs.data());
     }
   });
 }
