@@ -44,7 +44,7 @@ def cpu():
     except OSError:
         writable = False
     if not writable:  # a read-only cache (a baked image) built for another CPU: build beside it
-        build = Path(tempfile.gettempdir()) / "specdec-kernels" / f"cpu-{key}"
+        build = Path(tempfile.gettempdir()) / "specdec-kernels" / f"cpu-{build_key()}"
         build.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with _building(build):
