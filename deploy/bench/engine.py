@@ -4,7 +4,9 @@
    token, each row with a ~120-token cache (same process, median of 7 passes each); one
    row of 17 tokens is a lookup round at its largest K (16): what a copied answer can
    gain at most. Then what one row's drafts (1, then 4) add to a pass of 8 rows of one
-   token: the price of lookup drafts under load.
+   token: the price of lookup drafts under load. And one row's passes of 1, 3, 5 and 9
+   tokens after 1,100, 600, 300 and 100 positions of history (median of 25 each): the
+   attention they pay grows with it.
    On a GGUF target, passes of 1, 5 and 9 tokens and one row's drafts in 8 rows again on
    each path of its products the build has (AVX-512 VNNI, AVX2: the same bits), side by
    side.
@@ -64,6 +66,32 @@ def pass_costs(eng: Engine, seqs, shapes) -> list[str]:
         t = timed([1 + drafts] + [1] * (len(seqs) - 1))
         lines.append(f"{len(seqs)} rows x 1 token, one row with {drafts} draft(s) more: {t * 1e3:.1f} ms = "
                      f"{t / full:.2f}x the pass without them")
+    return lines
+
+
+def by_history(eng: Engine, lengths=(1100, 600, 300, 100), tokens=(1, 3, 5, 9), reps: int = 25) -> list[str]:
+    """Passes of n tokens of one row after L positions of history, L going down (a
+    session's passes pay attention over all of its history, once a query: the costs of
+    pass_costs, after 120 positions, are those of a short one)."""
+    seq = eng.new_sequence()
+    seq.sync(0, [(7 * j) % 5000 + 100 for j in range(max(lengths) + 1)])
+    eng.forward_now(seq, 1)
+    lines = []
+    for length in lengths:
+        costs = {}
+        for n in tokens:
+            out = []
+            for _ in range(reps):
+                seq.sync(length, [])
+                seq.extend([100 + j for j in range(n)])
+                with eng.cond:
+                    work = eng.submit(seq, n)
+                out.append(work.future.result()[1].seconds)
+            costs[n] = statistics.median(out)
+        lines.append(f"after {length} positions: " + ", ".join(
+            f"{n} token{'s' if n > 1 else ''} {t * 1e3:.1f} ms" + (f" ({t / costs[1]:.2f}x)" if n > 1 else "")
+            for n, t in costs.items()))
+    seq.sync(0, [])
     return lines
 
 
@@ -282,6 +310,8 @@ def main_with(args) -> int:
         seqs.append(seq)
     shapes = [(1, 3), (1, 5), (1, 9), (1, 17), (4, 1), (4, 3), (8, 1), (8, 3), (8, 5), (8, 9)]
     for line in pass_costs(eng, seqs, shapes):
+        say(line)
+    for line in by_history(eng):
         say(line)
     if quantize.method_of(model) == "gguf":
         for line in by_path(eng, seqs):
