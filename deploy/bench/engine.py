@@ -39,20 +39,26 @@ from specdec import ggml, modeling, quantize
 from specdec.engine import Engine, one_thread_outside_engines
 
 
+def pass_seconds(eng: Engine, seqs, tokens: list[int], history: int, reps: int = 7) -> float:
+    """The median seconds of a pass of len(tokens) rows, tokens[i] new tokens in row i
+    after `history` positions (each row cut back to them after each pass)."""
+    out = []
+    for _ in range(reps):
+        for seq, n in zip(seqs, tokens):
+            seq.extend([100 + j for j in range(n)])
+        with eng.cond:  # all rows ready together: one pass
+            works = [eng.submit(seq, n) for seq, n in zip(seqs, tokens)]
+        results = [w.future.result() for w in works]
+        assert all(done.rows == len(tokens) for _, done in results)
+        out.append(results[0][1].seconds)
+        for seq in seqs[:len(tokens)]:
+            seq.sync(history, [])
+    return statistics.median(out)
+
+
 def pass_costs(eng: Engine, seqs, shapes) -> list[str]:
-    def timed(tokens: list[int], reps: int = 7) -> float:  # a pass of len(tokens) rows, tokens[i] in row i
-        out = []
-        for _ in range(reps):
-            for seq, n in zip(seqs, tokens):
-                seq.extend([100 + j for j in range(n)])
-            with eng.cond:  # all rows ready together: one pass
-                works = [eng.submit(seq, n) for seq, n in zip(seqs, tokens)]
-            results = [w.future.result() for w in works]
-            assert all(done.rows == len(tokens) for _, done in results)
-            out.append(results[0][1].seconds)
-            for seq in seqs[:len(tokens)]:
-                seq.sync(120, [])
-        return statistics.median(out)
+    def timed(tokens: list[int]) -> float:  # after the rows' 120 positions
+        return pass_seconds(eng, seqs, tokens, 120)
 
     base = timed([1])
     lines = [f"1 row x 1 token: {base * 1e3:.1f} ms"]
@@ -78,16 +84,8 @@ def by_history(eng: Engine, lengths=(1100, 600, 300, 100), tokens=(1, 3, 5, 9), 
     eng.forward_now(seq, 1)
     lines = []
     for length in lengths:
-        costs = {}
-        for n in tokens:
-            out = []
-            for _ in range(reps):
-                seq.sync(length, [])
-                seq.extend([100 + j for j in range(n)])
-                with eng.cond:
-                    work = eng.submit(seq, n)
-                out.append(work.future.result()[1].seconds)
-            costs[n] = statistics.median(out)
+        seq.sync(length, [])
+        costs = {n: pass_seconds(eng, [seq], [n], length, reps) for n in tokens}
         lines.append(f"after {length} positions: " + ", ".join(
             f"{n} token{'s' if n > 1 else ''} {t * 1e3:.1f} ms" + (f" ({t / costs[1]:.2f}x)" if n > 1 else "")
             for n, t in costs.items()))

@@ -168,16 +168,17 @@ inline bool weighted_sum2(const double* pa, const double* pb, const float* v, co
 }
 
 // The queries of one key-value head that one row's tokens ask in a pass (`n` of them; query
-// i attends `lengths[i]` positions), in one walk over its keys and values: each key and
-// value is read, and converted, once for all of them, where a walk per query read it once
-// per query (a pass of several tokens, and the heads that share it). Each query's scores,
-// weights and sums are the same operations in the same order as a walk of its own.
+// i attends `lengths[i]` positions), walking its keys and values together: each key is
+// read and converted once for all of them, each value once for two (weighted_sum2), where
+// a walk per query read both once per query (a pass of several tokens, and the heads that
+// share one). Each query's scores, weights and sums are the same operations in the same
+// order as a walk of its own. `top`: n doubles of room.
 void attend_queries(const double* queries, const int64_t* lengths, int64_t n, int64_t d, const float* kp,
                     const float* vp, const int64_t* at, double scale, double* scores, int64_t L, double* key,
-                    double* acc, float* const* outs) {
+                    double* acc, double* top, float* const* outs) {
   int64_t longest = 0;
   for (int64_t q = 0; q < n; ++q) longest = std::max(longest, lengths[q]);
-  std::vector<double> top(n, -INFINITY);
+  std::fill(top, top + n, -INFINITY);
   for (int64_t j = 0; j < longest; ++j) {
     if (j + AHEAD < longest) prefetch(kp + at[j + AHEAD], d);
     widen(kp + at[j], key, d);
@@ -224,7 +225,7 @@ void attend_queries(const double* queries, const int64_t* lengths, int64_t n, in
 void attend(const float* qp, int64_t T, int64_t H, int64_t d, const float* kp, const float* vp, int64_t KVH,
             const int64_t* sp, int64_t L, const int64_t* rp, const int64_t* lp, double scale, float* op) {
   const int64_t group = H / KVH;
-  struct Block { int64_t t0, tokens, kv, first, count; };  // queries first..first+count of (t0.., kv)
+  struct Block { int64_t t0, kv, first, count; };  // queries first..first+count of (t0.., kv)
   std::vector<Block> blocks;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   for (int64_t t0 = 0; t0 < T;) {
@@ -236,11 +237,11 @@ void attend(const float* qp, int64_t T, int64_t H, int64_t d, const float* kp, c
     const int64_t size = std::max<int64_t>(1, (queries + wanted - 1) / wanted);
     for (int64_t kv = 0; kv < KVH; ++kv)
       for (int64_t first = 0; first < queries; first += size)
-        blocks.push_back({t0, t1 - t0, kv, first, std::min(size, queries - first)});
+        blocks.push_back({t0, kv, first, std::min(size, queries - first)});
     t0 = t1;
   }
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> scores, queries, acc, key(d);
+    std::vector<double> scores, queries, acc, top, key(d);
     std::vector<int64_t> at(L), lengths;
     std::vector<float*> outs;
     for (int64_t b = begin; b < end; ++b) {
@@ -249,6 +250,7 @@ void attend(const float* qp, int64_t T, int64_t H, int64_t d, const float* kp, c
       scores.resize(block.count * L);
       queries.resize(block.count * d);
       acc.resize(block.count * d);
+      top.resize(block.count);
       lengths.resize(block.count);
       outs.resize(block.count);
       int64_t longest = 0;
@@ -262,7 +264,7 @@ void attend(const float* qp, int64_t T, int64_t H, int64_t d, const float* kp, c
       }
       for (int64_t j = 0; j < longest; ++j) at[j] = (row_slots[j] * KVH + block.kv) * d;
       attend_queries(queries.data(), lengths.data(), block.count, d, kp, vp, at.data(), scale, scores.data(), L,
-                     key.data(), acc.data(), outs.data());
+                     key.data(), acc.data(), top.data(), outs.data());
     }
   });
 }

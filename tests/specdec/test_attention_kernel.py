@@ -18,9 +18,9 @@ class Layer:  # what transformers' attention reads of its module
     training = False
 
 
-def pools(seed=0):
+def pools(seed=0, dim=DIM):
     draw = torch.Generator().manual_seed(seed)
-    return (torch.randn(SLOTS, KV_HEADS, DIM, generator=draw), torch.randn(SLOTS, KV_HEADS, DIM, generator=draw))
+    return (torch.randn(SLOTS, KV_HEADS, dim, generator=draw), torch.randn(SLOTS, KV_HEADS, dim, generator=draw))
 
 
 def reference(q, k_pool, v_pool, slots, start, n):
@@ -29,7 +29,7 @@ def reference(q, k_pool, v_pool, slots, start, n):
     k = k_pool[slots[:start + n]].transpose(0, 1)[None]  # [1, kv, L, d]
     v = v_pool[slots[:start + n]].transpose(0, 1)[None]
     mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
-    out, _ = float64_attention(Layer(), q.transpose(0, 1)[None], k, v, mask[None, None], scaling=DIM ** -0.5,
+    out, _ = float64_attention(Layer(), q.transpose(0, 1)[None], k, v, mask[None, None], scaling=q.shape[-1] ** -0.5,
                                dropout=0.0)
     return out[0]  # [n, heads, d]
 
@@ -42,13 +42,14 @@ def table(rows):
     return slots, token_rows, lengths
 
 
-def test_rows_attend_as_transformers_float64_attention_does():
-    k_pool, v_pool = pools()
+@pytest.mark.parametrize("dim", [DIM, 48])  # 48: a head the widest path's blocks of 64 do not cover
+def test_rows_attend_as_transformers_float64_attention_does(dim):
+    k_pool, v_pool = pools(dim=dim)
     draw = torch.Generator().manual_seed(1)
     rows = [(torch.randperm(SLOTS, generator=draw)[:200], start, n) for start, n in [(0, 1), (37, 5), (150, 1), (
         0, 48), (90, 9)]]
-    q = torch.randn(sum(n for _, _, n in rows), HEADS, DIM, generator=draw)
-    out = cpu().attention(q, k_pool, v_pool, *table(rows), DIM ** -0.5)
+    q = torch.randn(sum(n for _, _, n in rows), HEADS, dim, generator=draw)
+    out = cpu().attention(q, k_pool, v_pool, *table(rows), dim ** -0.5)
     offset = 0
     for slots, start, n in rows:
         expected = reference(q[offset:offset + n], k_pool, v_pool, slots, start, n)
@@ -69,6 +70,24 @@ def test_a_token_gets_the_same_bits_alone_and_among_others():
                                     DIM ** -0.5)
             assert torch.equal(alone[0], together[offset + j])
         offset += n
+
+
+def test_the_bits_do_not_depend_on_the_threads():
+    """The work is split by the threads there are (more threads than cores too): no query's
+    result depends on the split."""
+    k_pool, v_pool = pools(4)
+    draw = torch.Generator().manual_seed(5)
+    rows = [(torch.randperm(SLOTS, generator=draw)[:300], start, n) for start, n in [(250, 1), (40, 7), (200, 3)]]
+    q = torch.randn(sum(n for _, _, n in rows), HEADS, DIM, generator=draw)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            outs.append(cpu().attention(q, k_pool, v_pool, *table(rows), DIM ** -0.5))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 def test_a_table_that_reads_outside_the_pool_or_its_row_is_refused():
