@@ -10,8 +10,11 @@ at a time, greedy, each output constrained by its schema. Each prompt is sent
   k0-free        K = 0 without the constraint: what the constraint costs the target alone
 in that order (the defaults first, so they never draft from this prompt's own output
 kept in the deployment's memory; a later prompt may draft from an earlier one's, as any
-deployment would). Before each K = 0 request, a one-token request of the prompt's words
-in reverse gives its steps a prefill to follow, as the defaults' have (the repeat
+deployment would). First a one-token request of the prompt puts it in the verifier's
+prefix cache, so that each of the three finds it there (sent cold, the defaults alone
+would pay its prefill, and whole-request times would charge it to them); before each of
+the three, a one-token request of the prompt's words in reverse gives its steps a
+prefill of about that size to follow, as a new request's steps have (the repeat
 benchmark's reason). With --llama-cpp DIR, the same token ids through llama.cpp's `llama-server` on
 the same GGUF with its `json_schema`, the same client loop (its numerics: its outputs are
 checked against the schema, not against ours).
@@ -87,10 +90,11 @@ def through_specdec(args, workload: list[dict]) -> tuple[list[dict], list[list[i
         rows, prompt_ids = [], []
         for i, item in enumerate(workload):
             text, schema = item["prompt"], item["schema"]
-            runs = {"defaults": run(text, None, schema)}
-            for name, constraint in (("k0", schema), ("k0-free", None)):
+            run(text, 0, None, 1)  # the prompt cached for every run of it, not for the second and third only
+            runs = {}
+            for name, k, constraint in (("defaults", None, schema), ("k0", 0, schema), ("k0-free", 0, None)):
                 run(" ".join(reversed(text.split())), 0, None, 1)
-                runs[name] = run(text, 0, constraint)
+                runs[name] = run(text, k, constraint)
             d, k0, free = runs["defaults"], runs["k0"], runs["k0-free"]
             row = {"request": i, "task": item["task"], "tokens": len(k0["tokens"]),
                    "same": d["tokens"] == k0["tokens"], "valid": valid(d["text"], schema),
