@@ -15,7 +15,7 @@ import uuid
 import grpc
 from aiohttp import web
 
-from specdec import security
+from specdec import grammar, security
 from specdec.grammar import JSON_OPTIONS as JSON_SHAPE
 from specdec.sampling import MAX_SAMPLES
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb
@@ -445,7 +445,7 @@ def _tools(body: dict, generate: pb.GenerateRequest) -> set[str] | None:
                                                                                {"type": "object"})}}
                        for n, f in specs.items()]}
     if choice in (None, "auto"):
-        calls["x-guidance"] = JSON_SHAPE
+        calls = {**grammar.closed(calls), "x-guidance": JSON_SHAPE}  # as a json_schema constraint is
         generate.constraint.lark = f"start: call | text\ncall: %json {json.dumps(calls)}\ntext: /[^{{][\\s\\S]*/\n"
     else:
         generate.constraint.json_schema = json.dumps(calls)

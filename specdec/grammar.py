@@ -38,6 +38,44 @@ LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=10_000_000, max_grammar_si
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Where a schema holds subschemas: one, a list of them, or a map of names to them.
+_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems", "contains",
+        "propertyNames", "not", "if", "then", "else")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keys that say what other keys may be, or that let subschemas beside `properties` name more.
+_OTHER_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+               "$ref", "if", "then", "else", "dependentSchemas")
+
+
+def closed(schema, merged: bool = False):
+    """The schema with every object that names its properties and says nothing of other
+    keys closed to them (`additionalProperties: false`), as OpenAI's strict schemas and
+    xgrammar's strict mode (vLLM's default) have it. JSON Schema's own default allows any
+    other key, and a small model under it adds keys to its token limit (a tool call's
+    arguments: "description" again and again). A schema that allows other keys says so,
+    and keeps them; so does an object of no named properties (`json_object`). Left open
+    too, where closing could forbid keys the schema names elsewhere: an object beside
+    `allOf`, `anyOf`, `oneOf`, `$ref` or a condition, and the members of an `allOf`
+    (`merged`: each names only part of the object)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s, merged=key == "allOf") for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if not merged and isinstance(out.get("properties"), dict) and out["properties"] \
+            and not any(key in out for key in _OTHER_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(constraint: common_pb2.Constraint, field: str = "constraint") -> str | None:
     """llguidance's grammar for a constraint; None where it constrains nothing.
     INVALID_ARGUMENT naming the field for one that is too large or malformed (its
@@ -59,7 +97,7 @@ def grammar_text(constraint: common_pb2.Constraint, field: str = "constraint") -
             raise InvalidArgument(f"{field}.json_schema", f"is not JSON: {err}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidArgument(f"{field}.json_schema", "must be a JSON object (a schema)")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(source)
     if kind == "lark":

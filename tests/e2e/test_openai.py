@@ -183,9 +183,10 @@ def test_logprobs_in_openais_shapes_streamed_or_not(api):
     assert without.choices[0].logprobs is None
 
 
+# As users write a function's parameters: nothing said of other keys (none are generated).
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+    "parameters": {"type": "object", "required": ["city", "unit"],
                    "properties": {"city": {"type": "string", "maxLength": 20},
                                   "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
@@ -222,6 +223,8 @@ def test_tools_come_back_as_tool_calls(api):
                                           tools=[WEATHER])
     message = auto.choices[0].message
     assert (message.tool_calls is not None) != (message.content is not None)  # a call or text, never both
+    if message.tool_calls:
+        assert set(json.loads(message.tool_calls[0].function.arguments)) <= {"city", "unit"}
     for bad, param in (({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0]"),
                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                         "tool_choice"),
@@ -229,6 +232,20 @@ def test_tools_come_back_as_tool_calls(api):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **bad)
         assert err.value.body["param"] == param
+
+
+def test_a_call_takes_no_argument_its_function_does_not_name(api, smol_tokenizer):
+    import json
+    _, _, client, _ = api
+    # Every token that writes a "}" pushed far down: where another key may follow the last
+    # argument (JSON Schema's default for WEATHER's parameters), the model writes one.
+    closing = {str(i): -100 for token, i in smol_tokenizer.get_vocab().items()
+               if "}" in smol_tokenizer.convert_tokens_to_string([token])}
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}],
+                                         max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required",
+                                         logit_bias=closing)
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert set(json.loads(out.choices[0].message.tool_calls[0].function.arguments)) == {"city", "unit"}
 
 
 def test_a_conversation_returns_a_tool_result_and_the_answer_follows_it(api):

@@ -35,6 +35,39 @@ def test_the_output_a_schema_allows_and_its_end(vocab, smol_tokenizer):
     assert not fresh.mask()[2]  # no end before the object
 
 
+def test_an_object_of_named_properties_takes_no_other_key_unless_its_schema_allows_one(vocab, smol_tokenizer):
+    # A tool's parameters as users write them: no word on other keys.
+    params = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
+    extra = ids(smol_tokenizer, '{"city": "Oslo", "description": "x"}')
+    just = ids(smol_tokenizer, '{"city": "Oslo"}')
+    for schema, extra_allowed in ((params, False), ({**params, "additionalProperties": True}, True),
+                                  ({**params, "additionalProperties": {"type": "string"}}, True)):
+        guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(schema)), 0)
+        assert guide.allowed(just + [2]) == len(just) + 1
+        assert (guide.allowed(extra) == len(extra)) == extra_allowed, schema
+
+
+def test_closing_reaches_every_subschema_and_leaves_composed_objects_open():
+    leaf = {"properties": {"a": {}}}
+    schema = {"type": "object", "properties": {"inner": leaf, "free": {"type": "object"}},
+              "items": leaf, "prefixItems": [leaf], "anyOf": [leaf], "$defs": {"d": leaf},
+              "additionalProperties": {"properties": {"b": {}}}}
+    out = grammar.closed(schema)
+    shut = {**leaf, "additionalProperties": False}
+    assert out["properties"] == {"inner": shut, "free": {"type": "object"}}
+    assert out["items"] == shut and out["prefixItems"] == [shut] and out["anyOf"] == [shut]
+    assert out["$defs"] == {"d": shut}
+    assert out["additionalProperties"] == {"properties": {"b": {}}, "additionalProperties": False}
+    assert schema["properties"]["inner"] == leaf  # the caller's schema is not changed
+    # Beside allOf or a $ref, or inside allOf, an object may be named in part: left open.
+    for composed in ({**leaf, "allOf": [{"properties": {"b": {}}}]}, {**leaf, "$ref": "#/$defs/x"}):
+        assert "additionalProperties" not in grammar.closed(composed)
+    assert grammar.closed({"allOf": [leaf]})["allOf"] == [leaf]
+    # A map of property names is not a schema: a property called "properties" stays one.
+    named = {"type": "object", "properties": {"properties": {"type": "string"}}}
+    assert grammar.closed(named)["properties"] == {"properties": {"type": "string"}}
+
+
 @pytest.mark.parametrize("constraint, good, bad", [
     (common_pb2.Constraint(regex=r"(yes|no), [0-9]+"), "no, 42", "maybe"),
     (common_pb2.Constraint(json_object=True), '{"a": [1, 2]}', "[1]"),
