@@ -48,7 +48,7 @@ _OTHER_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperti
                "$ref", "if", "then", "else", "dependentSchemas")
 
 
-def closed(schema, merged: bool = False):
+def closed(schema):
     """The schema with every object that names its properties and says nothing of other
     keys closed to them (`additionalProperties: false`), as OpenAI's strict schemas and
     xgrammar's strict mode (vLLM's default) have it. JSON Schema's own default allows any
@@ -56,22 +56,32 @@ def closed(schema, merged: bool = False):
     arguments: "description" again and again). A schema that allows other keys says so,
     and keeps them; so does an object of no named properties (`json_object`). Left open
     too, where closing could forbid keys the schema names elsewhere: an object beside
-    `allOf`, `anyOf`, `oneOf`, `$ref` or a condition, and the members of an `allOf`
-    (`merged`: each names only part of the object)."""
+    `allOf`, `anyOf`, `oneOf`, `$ref` or a condition; and a schema that merges several
+    (an `allOf` of two or more) is left as written, since each part, or a definition one
+    refers to, names only some of an object's keys."""
+    return schema if _merges(schema) else _close(schema)
+
+
+def _merges(node) -> bool:
+    if isinstance(node, dict):
+        return isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1 or any(map(_merges, node.values()))
+    return isinstance(node, list) and any(map(_merges, node))
+
+
+def _close(schema):
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _ONE:
         if isinstance(out.get(key), dict):
-            out[key] = closed(out[key])
+            out[key] = _close(out[key])
     for key in _LIST:
         if isinstance(out.get(key), list):
-            out[key] = [closed(s, merged=key == "allOf") for s in out[key]]
+            out[key] = [_close(s) for s in out[key]]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed(s) for name, s in out[key].items()}
-    if not merged and isinstance(out.get("properties"), dict) and out["properties"] \
-            and not any(key in out for key in _OTHER_KEYS):
+            out[key] = {name: _close(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and out["properties"] and not any(key in out for key in _OTHER_KEYS):
         out["additionalProperties"] = False
     return out
 

@@ -59,10 +59,13 @@ def test_closing_reaches_every_subschema_and_leaves_composed_objects_open():
     assert out["$defs"] == {"d": shut}
     assert out["additionalProperties"] == {"properties": {"b": {}}, "additionalProperties": False}
     assert schema["properties"]["inner"] == leaf  # the caller's schema is not changed
-    # Beside allOf or a $ref, or inside allOf, an object may be named in part: left open.
+    # Beside allOf or a $ref, an object may be named in part: left open.
     for composed in ({**leaf, "allOf": [{"properties": {"b": {}}}]}, {**leaf, "$ref": "#/$defs/x"}):
         assert "additionalProperties" not in grammar.closed(composed)
-    assert grammar.closed({"allOf": [leaf]})["allOf"] == [leaf]
+    assert grammar.closed({"allOf": [leaf]})["allOf"] == [shut]  # one part: the whole object
+    # Several parts: each, and any definition one refers to, names only some keys.
+    merged = {"allOf": [{"$ref": "#/$defs/base"}, {"properties": {"b": {}}}], "$defs": {"base": leaf}}
+    assert grammar.closed(merged) == merged
     # A map of property names is not a schema: a property called "properties" stays one.
     named = {"type": "object", "properties": {"properties": {"type": "string"}}}
     assert grammar.closed(named)["properties"] == {"properties": {"type": "string"}}
