@@ -10,7 +10,6 @@ import logging
 from specdec import eagle, features, flags, logs, modeling, sampling, server, tracing
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
-from specdec.engine import one_thread_outside_engines
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
@@ -128,7 +127,7 @@ def make_proposer(args, metrics=None) -> Proposer:
 
 async def serve(args, on_listen=None) -> None:
     tracing.setup("drafter", args.otlp_endpoint)
-    one_thread_outside_engines()  # before the model loads (see there)
+    server.prepare_process(args)  # before the model loads (see there)
     servicer = DrafterServicer()
     metrics = EngineMetrics("drafter")
     metrics.serve(args.host, args.metrics_port)

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec import logs
 from specdec.common.v1 import common_pb2
-from specdec.engine import Engine
+from specdec.engine import Engine, one_thread_outside_engines, reproducible_blas
 from specdec.errors import RESYNC_DETAIL, Internal, ServiceError, Unavailable, abort
 from specdec.quantize import quantize
 from specdec.sessions import Session, SessionStore
@@ -32,6 +32,15 @@ def security(args, auth_token_file: str = "") -> "Security":
     from specdec import security as sec
 
     return Security(sec.server_credentials(args), tuple(sec.auth_interceptors(auth_token_file)), args.health_port)
+
+
+def prepare_process(args) -> None:
+    """What a session service's process sets before its model loads: its threads outside
+    the engine on one core each, and, for batch-invariant passes, MKL's reproducible mode
+    (see each)."""
+    one_thread_outside_engines()
+    if args.batch_invariant:
+        reproducible_blas()
 
 
 def engine(model, args, metrics=None) -> Engine:

@@ -12,7 +12,6 @@ import math
 import torch
 
 from specdec import flags, grammar, logs, modeling, sampling, server, tracing
-from specdec.engine import one_thread_outside_engines
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
@@ -195,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(args, on_listen=None) -> None:
     tracing.setup("verifier", args.otlp_endpoint)
-    one_thread_outside_engines()  # before the model loads (see there)
+    server.prepare_process(args)  # before the model loads (see there)
     servicer = VerifierServicer()
     metrics = EngineMetrics("verifier")
     metrics.serve(args.host, args.metrics_port)

@@ -17,6 +17,7 @@ pass, whatever the sessions' lengths. The parts, each with one job:
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from typing import AsyncIterator, Callable
@@ -49,6 +50,18 @@ def one_thread_outside_engines() -> None:
     global _one_thread_elsewhere
     _one_thread_elsewhere = True
     torch.set_num_threads(1)
+
+
+def reproducible_blas() -> None:
+    """Asks MKL, torch's BLAS for float32 products on x86 CPUs, for its reproducible mode
+    (`MKL_CBWR=AUTO,STRICT`), in which a row of a product of one shape gets the same bits
+    wherever it lies in it. Batch-invariant passes (`batch_invariant`) rely on that for
+    a model's float32 products on a CPU: by default MKL computed the last rows of an 8-row
+    product otherwise on an AMD EPYC VM (a verify pass's tokens 37 of 40 apart from their
+    one-token steps, 4 of 8 batched rows apart from each alone; none with the mode), though
+    not on the Intel VMs measured. MKL reads the setting at its first call, so this must
+    come before the model loads; an MKL_CBWR set by the user stays."""
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 async def _through_cancels(future: asyncio.Future) -> None:

@@ -63,8 +63,16 @@ def test_features_come_with_the_same_logits_bits(models, kind):
             got, _, kept = engine.submit(few, 40, layers=LAYERS + (30,), logits_last=3).future.result()
         finally:
             hook.remove()
-        assert torch.equal(got, want[-3:]) and torch.equal(kept, features)
+        # Against a pass without features that asks the same 3 logits (the head's product over
+        # the same 3 rows: torch's fp32 products may round a row otherwise among 40, as MKL
+        # does on an AMD CPU); GGUF numerics give them the bits they have among 40 as well.
+        alone = engine.new_sequence()
+        alone.sync(0, ids)
+        want_last, _ = engine.forward_now(alone, 3)
+        assert torch.equal(got, want_last) and torch.equal(kept, features)
         assert sum(heads) == 3, heads
+        if kind == "gguf":
+            assert torch.equal(want_last, want[-3:])
         if kind == "gguf":  # static passes (here eager, invariant ones) compute every row, then pick
             static = Engine(model, 16 << 20, threads=2, prefix_caching=False, batch_invariant=8)
             try:

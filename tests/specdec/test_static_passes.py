@@ -4,6 +4,11 @@ bucket's read table and the write slots must leave the engine's results and ever
 session's cache as the usual pass leaves them; batch-invariant passes must give a row the
 same bits whatever else its pass holds. deploy/gpu_check.py runs the captured graphs."""
 
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec import modeling, quantize
 from specdec.engine import Engine
 from specdec.engine.model_runner import FusedRMSNorm, StaticPasses, fuse_launches
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +162,26 @@ def bits_apart(model, invariant: int) -> tuple[int, int, int]:
         engine.stop()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def bits_apart_as_a_service(dtype: str, invariant: int) -> tuple[int, int, int]:
+    """bits_apart in a process set up as a session service with --batch-invariant sets
+    its own up (server.prepare_process: MKL's reproducible mode, read at MKL's first call,
+    which this test process made long ago)."""
+    code = ("from types import SimpleNamespace; from specdec import server; "
+            f"server.prepare_process(SimpleNamespace(batch_invariant={invariant})); import torch; "
+            "from tests.specdec.test_static_passes import bits_apart, dense; "
+            f"print(bits_apart(dense(torch.{dtype}), invariant={invariant}))")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_invariant_passes_give_a_row_the_same_bits_in_any_pass(dtype):
-    model = dense(dtype)
-    assert bits_apart(model, invariant=8) == (0, 0, 40 + 8)
+    assert bits_apart_as_a_service(dtype, invariant=8) == (0, 0, 40 + 8)
     # The same model's usual passes do differ (else this test could not fail).
-    positions, rows, _ = bits_apart(model, invariant=0)
+    positions, rows, _ = bits_apart(dense(getattr(torch, dtype)), invariant=0)
     assert positions + rows > 0
 
 
