@@ -73,7 +73,7 @@ def test_features_come_with_the_same_logits_bits(models, kind):
         assert sum(heads) == 3, heads
         if kind == "gguf":
             assert torch.equal(want_last, want[-3:])
-        if kind == "gguf":  # static passes (here eager, invariant ones) compute every row, then pick
+            # Static passes (here eager, invariant ones) compute every row, then pick.
             static = Engine(model, 16 << 20, threads=2, prefix_caching=False, batch_invariant=8)
             try:
                 few = static.new_sequence()

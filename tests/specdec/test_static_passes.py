@@ -163,9 +163,9 @@ def bits_apart(model, invariant: int) -> tuple[int, int, int]:
 
 
 def bits_apart_as_a_service(dtype: str, invariant: int) -> tuple[int, int, int]:
-    """bits_apart in a process set up as a session service with --batch-invariant sets
-    its own up (server.prepare_process: MKL's reproducible mode, read at MKL's first call,
-    which this test process made long ago)."""
+    """bits_apart in a fresh process, set up as a session service started with
+    --batch-invariant sets up its own (server.prepare_process: MKL's reproducible mode,
+    which MKL reads at its first call; this test process made that call long ago)."""
     code = ("from types import SimpleNamespace; from specdec import server; "
             f"server.prepare_process(SimpleNamespace(batch_invariant={invariant})); import torch; "
             "from tests.specdec.test_static_passes import bits_apart, dense; "
