@@ -13,12 +13,11 @@ from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
-from specdec.validation import check_length, check_token_ids
+from specdec.validation import MAX_DRAFT_TOKENS, check_length, check_token_ids
 from drafter_service.proposers import FeatureProposer, HybridProposer, ModelProposer, NgramProposer, Proposer
 
 log = logging.getLogger("drafter")
 
-MAX_DRAFT_TOKENS = 64
 
 
 class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):

@@ -8,6 +8,7 @@ may carry `top_k`, `repetition_penalty` (vLLM's) and `specdec: {"num_speculative
 import contextlib
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -16,6 +17,7 @@ import grpc
 from aiohttp import web
 
 from specdec import grammar, security
+from specdec.errors import ServiceError
 from specdec.grammar import JSON_OPTIONS as JSON_SHAPE
 from specdec.sampling import MAX_SAMPLES
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb
@@ -84,9 +86,35 @@ def error(err: Refused) -> web.Response:
                                         "code": err.code.name.lower()}}, status=status)
 
 
-def _field(body: dict, name: str, kinds, default=None):
-    """body[name] if it has one of the types `kinds` (a bool is not an int here)."""
-    value = body.get(name)
+INT32 = (1 << 31) - 1  # the widest int32 field of a GenerateRequest
+UINT64 = (1 << 64) - 1
+
+
+def _integer(body: dict, name: str, low: int, high: int, default=None, field: str | None = None):
+    """body[name], an integer in [low, high] (the range of the GenerateRequest field it
+    becomes, or a tighter one)."""
+    value = _field(body, name, int, default) if field is None else _checked(body.get(name), int, field, default)
+    if value is not None and not low <= value <= high:
+        field = field or name
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: must be in [{low}, {high}], got {value}", field)
+    return value
+
+
+def _number(body: dict, name: str):
+    """body[name], a finite number (JSON reads 1e400 as infinity)."""
+    value = _field(body, name, (int, float))
+    if value is None:
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        value = math.inf
+    if not math.isfinite(value):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must be a finite number", name)
+    return value
+
+
+def _checked(value, kinds, name: str, default=None):
     if value is None:
         return default
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
@@ -94,6 +122,11 @@ def _field(body: dict, name: str, kinds, default=None):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must be {' or '.join(k.__name__ for k in kinds)}",
                       name)
     return value
+
+
+def _field(body: dict, name: str, kinds, default=None):
+    """body[name] if it has one of the types `kinds` (a bool is not an int here)."""
+    return _checked(body.get(name), kinds, name, default)
 
 
 class OpenAIFront:
@@ -117,6 +150,8 @@ class OpenAIFront:
             return await handler(request)
         except Refused as err:
             return error(err)
+        except ServiceError as err:  # a shared check's (grammar, sampling), raised before generation
+            return error(Refused(err.code, str(err), getattr(err, "field", None)))
         except web.HTTPException as err:
             return web.json_response({"error": {"message": err.reason, "type": "invalid_request_error",
                                                 "param": None, "code": None}}, status=err.status)
@@ -128,7 +163,7 @@ class OpenAIFront:
     async def _body(self, request: web.Request) -> dict:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested thousands deep
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the body is not JSON", "")
         if not isinstance(body, dict):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the body must be a JSON object", "")
@@ -152,39 +187,33 @@ class OpenAIFront:
         """The GenerateRequest of the common sampling fields (the prompt is set by the caller)."""
         request = pb.GenerateRequest(request_id=str(_field(body, "user", str, "") or ""))
         if max_tokens_field == "max_tokens":  # completions: logprobs is the number of top tokens
-            top = _field(body, "logprobs", int)
+            top = _integer(body, "logprobs", 0, INT32)
             if top is not None:
                 request.logprobs, request.top_logprobs = True, top
         else:  # chat: logprobs a flag, top_logprobs the number
             request.logprobs = bool(_field(body, "logprobs", bool, False))
-            request.top_logprobs = _field(body, "top_logprobs", int, 0)
-        max_tokens = _field(body, max_tokens_field, int)
+            request.top_logprobs = _integer(body, "top_logprobs", 0, INT32, 0)
+        max_tokens = _integer(body, max_tokens_field, -INT32, INT32)
         if max_tokens is None and max_tokens_field != "max_tokens":
-            max_tokens = _field(body, "max_tokens", int)
+            max_tokens = _integer(body, "max_tokens", -INT32, INT32)
         if max_tokens is not None:
             request.max_new_tokens = max_tokens
-        for name in ("temperature", "top_p"):
-            value = _field(body, name, (int, float))
+        for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            value = _number(body, name)
             if value is not None:
-                setattr(request, name, float(value))
-        top_k = _field(body, "top_k", int)
+                setattr(request, name, value)
+        top_k = _integer(body, "top_k", -INT32, INT32)
         if top_k is not None:
             request.top_k = top_k
-        for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
-            value = _field(body, name, (int, float))
-            if value is not None:
-                setattr(request, name, float(value))
         bias = _field(body, "logit_bias", dict, {})
         for token, value in bias.items():
-            if not (isinstance(token, str) and token.isdigit() and len(token) <= 9) or isinstance(value, bool) \
-                    or not isinstance(value, (int, float)):
+            if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 9) \
+                    or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "logit_bias: maps token ids (as strings) to numbers",
                               "logit_bias")
             request.logit_bias[int(token)] = float(value)
-        seed = _field(body, "seed", int)
+        seed = _integer(body, "seed", 0, UINT64)
         if seed is not None:
-            if seed < 0:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "seed: must be >= 0", "seed")
             request.seed = seed
         stop = _field(body, "stop", (str, list))
         if stop is not None:
@@ -194,11 +223,8 @@ class OpenAIFront:
             request.stop.extend(stops)
         _constraint(body, request)
         extension = _field(body, "specdec", dict, {}) or {}
-        k = extension.get("num_speculative_tokens")
+        k = _integer(extension, "num_speculative_tokens", -INT32, INT32, field="specdec.num_speculative_tokens")
         if k is not None:
-            if not isinstance(k, int) or isinstance(k, bool):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "specdec.num_speculative_tokens: an integer",
-                              "specdec.num_speculative_tokens")
             request.num_speculative_tokens = k
         return request
 
@@ -386,7 +412,12 @@ class OpenAIFront:
                 await response.write(("data: " + json.dumps({
                     "id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [],
                     "usage": usage}) + "\n\n").encode())
-        except Refused as err:  # after the stream began: an error event, as OpenAI's servers send
+        except Exception as err:  # after the stream began: an error event, as OpenAI's servers send
+            if isinstance(err, ConnectionError):  # the client left: nobody reads an error event
+                raise
+            if not isinstance(err, Refused):
+                log.exception("a streamed answer failed")
+                err = Refused(grpc.StatusCode.INTERNAL, f"the server failed: {type(err).__name__}")
             status, kind_ = STATUS.get(err.code, (500, "api_error"))
             await response.write(("data: " + json.dumps({"error": {"message": err.message, "type": kind_,
                                                                    "code": err.code.name.lower()}}) + "\n\n").encode())
@@ -426,7 +457,8 @@ def _tools(body: dict, generate: pb.GenerateRequest) -> set[str] | None:
     if choice == "none":
         return None
     if isinstance(choice, dict):
-        named = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        named = function.get("name") if isinstance(function, dict) else None
         if named not in specs:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tool_choice: must name one of the tools", "tool_choice")
         specs = {named: specs[named]}
@@ -445,7 +477,7 @@ def _tools(body: dict, generate: pb.GenerateRequest) -> set[str] | None:
                                                                                {"type": "object"})}}
                        for n, f in specs.items()]}
     if choice in (None, "auto"):
-        calls = {**grammar.closed(calls), "x-guidance": JSON_SHAPE}  # as a json_schema constraint is
+        calls = {**grammar.closed(calls, "tools"), "x-guidance": JSON_SHAPE}  # as a json_schema constraint is
         generate.constraint.lark = f"start: call | text\ncall: %json {json.dumps(calls)}\ntext: /[^{{][\\s\\S]*/\n"
     else:
         generate.constraint.json_schema = json.dumps(calls)
@@ -477,7 +509,12 @@ def _calls(text: str, tools: set[str] | None, result: pb.Result) -> list[dict]:
     """The tool call in a finished answer, in OpenAI's shape; [] for a text answer."""
     if not tools or result.finish_reason == pb.FINISH_REASON_LENGTH or not text.startswith("{"):
         return []
-    call = json.loads(text)  # the constraint made it a call of one of the tools
+    try:  # the constraint made it a call of one of the tools, unless a stop string cut it
+        call = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(call, dict) or call.get("name") not in tools or not isinstance(call.get("arguments"), dict):
+        return []
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
 
@@ -522,8 +559,11 @@ def _stats(result: pb.Result) -> dict:
             "resyncs": s.resyncs, "drafter_failovers": s.drafter_failovers}
 
 
-async def serve(app: web.Application, host: str, port: int, ssl_context=None) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None)
+async def serve(app: web.Application, host: str, port: int, ssl_context=None, grace_s: float = 30.0
+                ) -> web.AppRunner:
+    """The front on host:port. A request whose client leaves is cancelled (its generation
+    stops and frees what it holds); at cleanup, requests in flight get `grace_s`."""
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=grace_s)
     await runner.setup()
     await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     log.info("OpenAI-compatible API on http%s://%s:%d/v1", "s" if ssl_context else "", host, port)

@@ -19,6 +19,7 @@ from specdec import flags, grammar, logs, modeling, sampling, security, server, 
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Precondition, ServiceError, Unavailable, abort
 from specdec.lookup import OutputMemory
+from specdec.validation import MAX_DRAFT_TOKENS
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from orchestrator import discovery
 from orchestrator.admission import Admission
@@ -39,6 +40,7 @@ MAX_STOP_LENGTH = 256  # characters; the text stream holds back up to this much
 PLACEMENT_WAIT_S = 20.0  # how long ScaleDrafters waits to tell placed replicas from pending ones
 MAX_REQUEST_ID = 128
 MAX_TOP_LOGPROBS = 20
+SEEDS = 1 << 64  # GenerateRequest.seed is a uint64
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # tool: a function's result, as the chat template shows it
 
 
@@ -199,11 +201,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         events: asyncio.Queue = asyncio.Queue()
 
         async def one(i: int):
-            sample = pb.GenerateRequest()
-            sample.CopyFrom(request)
-            sample.ClearField("n")
-            sample.seed = seed + i
-            try:
+            try:  # whatever fails reaches the loop below, or it would wait for this sample's end forever
+                sample = pb.GenerateRequest()
+                sample.CopyFrom(request)
+                sample.ClearField("n")
+                sample.seed = (seed + i) % SEEDS  # a seed near the top wraps: every sample still has one
                 async with contextlib.aclosing(self.generate(sample, context)) as stream:
                     async for event in stream:
                         getattr(event, event.WhichOneof("event")).index = i
@@ -598,7 +600,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_limits(args) -> None:
+    """Refuses, at start, limits the services would refuse at every request."""
+    for flag, k in (("--max-speculative-tokens", args.max_speculative_tokens),
+                    ("--adaptive-max-speculative-tokens", args.adaptive_max_speculative_tokens),
+                    ("--num-speculative-tokens", args.num_speculative_tokens)):
+        if not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise SystemExit(f"specdec-orchestrator: {flag} must be in [0, {MAX_DRAFT_TOKENS}] (the drafts a "
+                             f"verifier checks in one call), got {k}")
+
+
 async def serve(args, on_listen=None) -> None:
+    check_limits(args)
     limits = Limits(args.default_max_new_tokens, args.max_new_tokens_limit, args.num_speculative_tokens,
                     args.max_speculative_tokens, args.adaptive_max_speculative_tokens, args.max_concurrent_requests,
                     args.drafter_timeout, args.verifier_timeout, args.overlap, args.verifier_retry_timeout,
@@ -655,7 +668,8 @@ async def serve(args, on_listen=None) -> None:
             return
         tokens = security.load_tokens(args.auth_token_file) if args.auth_token_file else []
         front = OpenAIFront(servicer, args.served_model_name or servicer.info.model_name, tokens)
-        runner = await openai_api.serve(front.app(), args.host, args.http_port, security.ssl_context(args))
+        runner = await openai_api.serve(front.app(), args.host, args.http_port, security.ssl_context(args),
+                                        args.shutdown_grace)
         try:
             await asyncio.Event().wait()
         finally:

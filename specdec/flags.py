@@ -64,7 +64,7 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
     """Flags of the services that load a model and keep sessions (drafter, verifier)."""
     add(parser, "--dtype", env=f"{prefix}_DTYPE", default="float32", choices=["float32", "float16", "bfloat16"],
         help="weights dtype")
-    add(parser, "--quantize", env=f"{prefix}_QUANTIZE", default="none", choices=["none", "int8", "gguf", "auto"],
+    add(parser, "--quantize", env=f"{prefix}_QUANTIZE", default="auto", choices=["none", "int8", "gguf", "auto"],
         help="CPU numerics. gguf: a .gguf model's own 4- or 8-bit blocks, activations in 16-bit integers per block of 32; int8: int8 "
              "weights and per-row int8 activations in every linear layer; auto: gguf for a .gguf model whose "
              "blocks we multiply, int8 for other models on a CPU, none elsewhere")

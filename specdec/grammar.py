@@ -36,6 +36,9 @@ LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=10_000_000, max_grammar_si
 # JSON as the models write it (json.dumps' separators) and no free whitespace, where a
 # small model can spend its whole budget on blank lines.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Deepest nesting of a schema's JSON (objects and lists) we walk; llguidance's own bound on
+# a schema's depth is lower.
+MAX_SCHEMA_DEPTH = 256
 
 
 # Where a schema holds subschemas: one, a list of them, or a map of names to them.
@@ -48,7 +51,7 @@ _OTHER_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperti
                "$ref", "if", "then", "else", "dependentSchemas")
 
 
-def closed(schema):
+def closed(schema, field: str = "constraint.json_schema"):
     """The schema with every object that names its properties and says nothing of other
     keys closed to them (`additionalProperties: false`), as OpenAI's strict schemas and
     xgrammar's strict mode (vLLM's default) have it. JSON Schema's own default allows any
@@ -58,8 +61,22 @@ def closed(schema):
     too, where closing could forbid keys the schema names elsewhere: an object beside
     `allOf`, `anyOf`, `oneOf`, `$ref` or a condition; and a schema that merges several
     (an `allOf` of two or more) is left as written, since each part, or a definition one
-    refers to, names only some of an object's keys."""
+    refers to, names only some of an object's keys. INVALID_ARGUMENT naming `field` for a
+    schema nested deeper than MAX_SCHEMA_DEPTH."""
+    check_depth(schema, field)
     return schema if _merges(schema) else _close(schema)
+
+
+def check_depth(node, field: str) -> None:
+    """INVALID_ARGUMENT naming the field where JSON nests deeper than MAX_SCHEMA_DEPTH
+    (walked without recursion: the walks after it recurse)."""
+    level = [node]
+    for depth in range(MAX_SCHEMA_DEPTH + 1):
+        level = [child for item in level if isinstance(item, (dict, list))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return
+    raise InvalidArgument(field, f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
 
 
 def _merges(node) -> bool:
@@ -81,7 +98,12 @@ def _close(schema):
     for key in _MAP:
         if isinstance(out.get(key), dict):
             out[key] = {name: _close(s) for name, s in out[key].items()}
-    if isinstance(out.get("properties"), dict) and out["properties"] and not any(key in out for key in _OTHER_KEYS):
+    # A name `required` lists beside the properties is a key of any value: closed, the object
+    # could never be.
+    named = out.get("properties")
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    if isinstance(named, dict) and named and not any(key in out for key in _OTHER_KEYS) \
+            and all(name in named for name in required):
         out["additionalProperties"] = False
     return out
 
@@ -105,9 +127,12 @@ def grammar_text(constraint: common_pb2.Constraint, field: str = "constraint") -
             schema = json.loads(source)
         except json.JSONDecodeError as err:
             raise InvalidArgument(f"{field}.json_schema", f"is not JSON: {err}") from None
+        except RecursionError:
+            raise InvalidArgument(f"{field}.json_schema", f"nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidArgument(f"{field}.json_schema", "must be a JSON object (a schema)")
-        return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(closed(schema, f"{field}.json_schema"),
+                                                              defaults=JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(source)
     if kind == "lark":

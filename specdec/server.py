@@ -318,7 +318,12 @@ async def serve(
         await health_servicer.enter_graceful_shutdown()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*(s.stop(grace_s) for s in servers))
+        # The background tasks' own ends (the HTTP front drains its requests) are awaited with
+        # the gRPC calls': a request still running there leaves its sessions to `drained`.
+        stopping = [s.stop(grace_s) for s in servers]
+        if tasks:
+            stopping.append(asyncio.wait(tasks, timeout=grace_s + 1.0))
+        await asyncio.gather(*stopping)
         if drained is not None:
             await drained()
         log.info("%s stopped", name)

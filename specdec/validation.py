@@ -3,6 +3,8 @@
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 
+MAX_DRAFT_TOKENS = 64  # drafts one call may carry or ask for (Propose, Verify, a run's lookup)
+
 
 def check_token_ids(field: str, ids, vocab_size: int) -> None:
     """Every id in [0, vocab_size); vocab_size 0 means any non-negative id."""

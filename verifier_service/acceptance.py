@@ -218,6 +218,8 @@ def constrained(guide: grammar.Guide, committed: list[int], start: int) -> None:
     or it allows no token."""
     if not guide.sync(committed, since=start):
         refused = guide.end + guide.allowed(committed[guide.end:])
+        if refused >= len(committed):  # no token refused: the matcher itself failed (a step over its limits)
+            raise InvalidArgument("constraint", f"failed after the committed tokens ({guide.error or 'no reason'})")
         raise InvalidArgument("new_tokens", f"the session's constraint does not allow token {committed[refused]} "
                                             f"at position {refused} (constrained from {guide.start})")
     if guide.dead:

@@ -15,14 +15,13 @@ from specdec import flags, grammar, logs, modeling, sampling, server, tracing
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
-from specdec.validation import check_length, check_token_ids
+from specdec.validation import MAX_DRAFT_TOKENS, check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.acceptance import decode, verify
 from verifier_service.feature_cache import FeatureCache
 
 log = logging.getLogger("verifier")
 
-MAX_DRAFT_TOKENS = 64
 MAX_STOP_TOKENS = 64
 MAX_DECODE_TOKENS = 1024
 MAX_FEATURE_LAYERS = 8

@@ -82,3 +82,26 @@ def test_the_gpu_flags_of_a_deployment_go_where_they_apply():
     default = cli.build_parser().parse_args(["up"])
     parsed = build_parser().parse_args(["--model", "target-dir", *launch.service_flags(default)[0]])
     assert (parsed.cuda_graphs, parsed.batch_invariant) == ("off", 0)
+
+
+def test_a_speculation_limit_past_the_verifiers_is_refused_at_start():
+    """--max-speculative-tokens 65 started, then failed every request that drafted 65
+    tokens with INVALID_ARGUMENT on draft_tokens, blamed on the client."""
+    import subprocess
+    import sys
+
+    free = str(launch.free_port())
+    for flag in ("--max-speculative-tokens", "--adaptive-max-speculative-tokens", "--num-speculative-tokens"):
+        done = subprocess.run([sys.executable, "-m", "orchestrator", "--port", free, "--admin-port",
+                               str(launch.free_port()), flag, "65"], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and flag in done.stderr and "64" in done.stderr, (flag, done.stderr)
+
+
+def test_a_service_started_by_hand_takes_the_fast_numerics():
+    """`specdec-verifier --model X` ran float32 (81 ms a token on the default target where
+    `specdec up`'s `auto` took 6.7 ms): every service now defaults to `auto`."""
+    from drafter_service.server import build_parser as drafter
+    from verifier_service.server import build_parser as verifier
+
+    assert verifier().parse_args([]).quantize == "auto"
+    assert drafter().parse_args([]).quantize == "auto"

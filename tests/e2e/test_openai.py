@@ -328,3 +328,131 @@ def test_penalties_and_logit_bias_are_generates(api):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **fields)
         assert err.value.body["param"] == param, (fields, err.value.body)
+
+
+def _post(port: int, path: str, body: str, timeout: float = 30) -> tuple[int, bytes]:
+    """A raw POST (bodies the openai client would not send as written: 1e400, 2^64)."""
+    import http.client
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("POST", path, body, {"Authorization": f"Bearer {TOKEN}",
+                                                "Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("fields,param", [
+    ('"max_tokens": 2147483648', "max_tokens"),
+    ('"top_k": 2147483648', "top_k"),
+    ('"seed": 18446744073709551616', "seed"),
+    ('"logprobs": 8589934592', "logprobs"),
+    ('"specdec": {"num_speculative_tokens": 2147483648}', "specdec.num_speculative_tokens"),
+    ('"temperature": 1e400', "temperature"),
+    ('"top_p": 1e400', "top_p"),
+    ('"logit_bias": {"\\u00b2": 1}', "logit_bias"),
+])
+def test_numbers_out_of_range_are_400s_naming_the_field(api, fields, param):
+    """Each was a 500 (ValueError on the protobuf field, OverflowError, int("²"))."""
+    import json
+    import time
+    _, _, _, port = api
+    started = time.monotonic()
+    status, body = _post(port, "/v1/completions", f'{{"model": "{MODEL}", "prompt": "hi", {fields}}}')
+    assert status == 400 and json.loads(body)["error"]["param"] == param, body
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_tool_choice_whose_function_is_not_an_object_is_a_400(api):
+    import json
+    _, _, _, port = api
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": "get_weather"}}
+    status, answer = _post(port, "/v1/chat/completions", json.dumps(body))
+    assert status == 400 and json.loads(answer)["error"]["param"] == "tool_choice", answer
+
+
+def test_a_deep_schema_is_a_400_naming_the_field(api):
+    import json
+    _, _, _, port = api
+    schema = {"type": "integer"}
+    for _ in range(600):
+        schema = {"type": "array", "items": schema}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    status, answer = _post(port, "/v1/completions", json.dumps(body))
+    assert status == 400 and json.loads(answer)["error"]["param"] == "response_format", answer
+    tool = {"type": "function", "function": {"name": "deep", "parameters": {"type": "object",
+                                                                           "properties": {"x": schema}}}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [tool]}
+    status, answer = _post(port, "/v1/chat/completions", json.dumps(chat))
+    assert status == 400 and json.loads(answer)["error"]["param"] == "tools", answer
+
+
+def test_samples_from_the_largest_seed_all_end(api):
+    """n = 2, seed = 2^64 - 1: sample 1's seed + 1 overflowed the field before its try, and
+    the call waited for its end forever (gRPC and HTTP alike)."""
+    import json
+    cluster, o, _, port = api
+    chunks = cluster.orchestrator_stub(o).Generate(
+        pb.GenerateRequest(text="Sea", max_new_tokens=6, n=2, seed=2**64 - 1, temperature=0.9),
+        timeout=30, metadata=[("authorization", f"Bearer {TOKEN}")])
+    results = [e.result for e in chunks if e.HasField("result")]
+    assert sorted(r.index for r in results) == [0, 1]
+    status, answer = _post(port, "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": "Sea", "max_tokens": 6, "n": 2, "seed": 2**64 - 1, "temperature": 0.9}))
+    assert status == 200 and len(json.loads(answer)["choices"]) == 2, answer
+
+
+def test_a_tool_call_cut_by_a_stop_string_comes_back_as_text(api):
+    """The answer ends inside the call ("}" stops it): json.loads on it was a 500, and the
+    streamed answer stopped with no error event and no [DONE]."""
+    import json
+    _, _, _, port = api
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 48,
+            "temperature": 0, "tools": [WEATHER], "tool_choice": "required", "stop": ["}"]}
+    status, answer = _post(port, "/v1/chat/completions", json.dumps(body))
+    assert status == 200, answer
+    choice = json.loads(answer)["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"].startswith("{")
+    assert not choice["message"].get("tool_calls")
+    status, streamed = _post(port, "/v1/chat/completions", json.dumps({**body, "stream": True}))
+    assert status == 200 and streamed.rstrip().endswith(b"data: [DONE]"), streamed[-300:]
+    assert b'"error"' not in streamed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_clients_that_leave_hold_no_run(api, stream):
+    """A non-streamed request went on generating, its admission slot and KV blocks held,
+    until max_tokens after its client closed the socket; now it is cancelled at once."""
+    import json
+    import socket
+    import time
+    cluster, o, _, port = api
+    admin = cluster.admin_stub(o)
+
+    def running() -> int:
+        return len(admin.ListRequests(pb.ListRequestsRequest(), timeout=5,
+                                      metadata=[("authorization", f"Bearer {TOKEN}")]).requests)
+
+    body = json.dumps({"model": MODEL, "prompt": "A long story about the sea", "max_tokens": 4000,
+                       "temperature": 0, "stream": stream}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    clients = []
+    for _ in range(16):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(head + body)
+        clients.append(s)
+    deadline = time.monotonic() + 20
+    while running() < 16 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running() == 16
+    for s in clients:
+        s.close()
+    left = time.monotonic()
+    while running() and time.monotonic() - left < 5:
+        time.sleep(0.05)
+    assert running() == 0, f"{running()} runs still going {time.monotonic() - left:.1f} s after their clients left"
+    assert time.monotonic() - left < 1.5

@@ -206,3 +206,25 @@ def test_a_large_alternation_compiles_within_its_bound(vocab):
 
 def test_no_constraint_is_none(vocab):
     assert vocab.guide(common_pb2.Constraint(), 0) is None
+
+
+def test_a_schema_nested_past_the_bound_is_refused_naming_the_field(vocab):
+    """600 levels of `items` raised RecursionError in the schema's walk (UNKNOWN, HTTP 500)."""
+    schema = {"type": "integer"}
+    for _ in range(600):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(InvalidArgument, match=r"^constraint\.json_schema: nests deeper than"):
+        vocab.guide(common_pb2.Constraint(json_schema=json.dumps(schema)), 0)
+    deep = "[" * 5000 + "]" * 5000  # deeper than Python's json parser recurses
+    with pytest.raises(InvalidArgument, match=r"^constraint\.json_schema: "):
+        vocab.guide(common_pb2.Constraint(json_schema=deep), 0)
+
+
+def test_a_required_key_the_properties_do_not_name_stays_allowed(vocab, smol_tokenizer):
+    """`b` is required but not described: any value. Closing the object made the schema
+    unsatisfiable and the request got a 400."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
+    assert "additionalProperties" not in grammar.closed(schema)
+    guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(schema)), 0)
+    answer = ids(smol_tokenizer, '{"a": 1, "b": "x"}')
+    assert guide.allowed(answer) == len(answer)

@@ -2,6 +2,7 @@
 checked statistically, with a control showing the test catches a wrong residual."""
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats
 
@@ -92,3 +93,23 @@ def test_draws_are_keyed_by_seed_and_position():
     assert len({Draws(1, "x").uniform(i) for i in range(5)}) == 5
     assert Draws(1, "x").uniform(5) != Draws(1, "y").uniform(5)
     assert Draws(1, "x").uniform(5) != Draws(2, "x").uniform(5)
+
+
+def test_a_matcher_that_failed_with_no_new_token_is_invalid_argument_not_an_index_error(smol_tokenizer):
+    """The matcher in its error state and nothing new to consume: `constrained` read the
+    committed tokens one past their end (INTERNAL) where INVALID_ARGUMENT belongs."""
+    import json
+
+    from specdec import grammar
+    from specdec.common.v1 import common_pb2
+    from specdec.errors import InvalidArgument
+    from verifier_service.acceptance import constrained
+
+    vocab = grammar.Vocabulary(smol_tokenizer, len(smol_tokenizer), [2])
+    guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps({"type": "integer"})), 1)
+    committed = [5] + smol_tokenizer.encode("12", add_special_tokens=False)
+    assert guide.sync(committed)
+    guide.matcher.consume_token(smol_tokenizer.encode("x", add_special_tokens=False)[0])  # its error state
+    assert guide.matcher.is_error()
+    with pytest.raises(InvalidArgument, match="^constraint: "):
+        constrained(guide, committed, len(committed))
