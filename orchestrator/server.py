@@ -70,7 +70,7 @@ class Request:
     params: common_pb2.SamplingParams
     stop: list[str]
     constraint: common_pb2.Constraint | None = None
-    guide: grammar.Guide | None = None  # the output's place in its constraint
+    guide: grammar.Guide | None = None  # the output's place in its constraint (set by `generate`)
     top_logprobs: int | None = None  # None: no log-probabilities asked for
 
 
@@ -83,6 +83,31 @@ class Flight:
     verifier: VerifierLink
     text: TextStream
     started: float = field(default_factory=time.monotonic)
+
+
+class SampleFailed(Exception):
+    """A sample's abort, carried to the call's own task, which aborts the call once."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _SampleContext:
+    """The call's context as one of its samples sees it: the same deadline and metadata,
+    but an abort that ends only the sample. Samples that fail together each aborting the
+    call itself raced: the second abort raised at once, ended the call's handler, and the
+    cancel that followed cut the first one's status on its way (the client waited for its
+    deadline)."""
+
+    def __init__(self, context):
+        self._context = context
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    async def abort(self, code, details=""):
+        raise SampleFailed(code, details)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
@@ -149,12 +174,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         if r.HasField("repetition_penalty") and not r.repetition_penalty > 0:
             raise InvalidArgument("repetition_penalty", f"must be in (0, 100], got {r.repetition_penalty}")
         sampling.check_penalties(params, vocab_size=self.info.vocab_size)
-        guide = self.vocab.guide(r.constraint, len(prompt)) if r.constraint.WhichOneof("kind") else None
         if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS or (r.top_logprobs and not r.logprobs):
             raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], with logprobs set; "
                                                   f"got {r.top_logprobs}")
         return Request(r.request_id or uuid.uuid4().hex, prompt, max_new, k, params, list(r.stop),
-                       r.constraint if guide is not None else None, guide, r.top_logprobs if r.logprobs else None)
+                       r.constraint if r.constraint.WhichOneof("kind") else None, None,
+                       r.top_logprobs if r.logprobs else None)
 
     def prompt_ids(self, r: pb.GenerateRequest) -> list[int]:
         which = r.WhichOneof("prompt")
@@ -199,6 +224,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             await abort(context, InvalidArgument("n", f"must be in [1, {sampling.MAX_SAMPLES}], got {request.n}"))
         seed = request.seed if request.HasField("seed") else random.getrandbits(62)
         events: asyncio.Queue = asyncio.Queue()
+        sample_context = _SampleContext(context)
 
         async def one(i: int):
             try:  # whatever fails reaches the loop below, or it would wait for this sample's end forever
@@ -206,7 +232,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 sample.CopyFrom(request)
                 sample.ClearField("n")
                 sample.seed = (seed + i) % SEEDS  # a seed near the top wraps: every sample still has one
-                async with contextlib.aclosing(self.generate(sample, context)) as stream:
+                async with contextlib.aclosing(self.generate(sample, sample_context)) as stream:
                     async for event in stream:
                         getattr(event, event.WhichOneof("event")).index = i
                         events.put_nowait(event)
@@ -222,6 +248,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             ended = 0
             while ended < len(tasks):
                 event = await events.get()
+                if isinstance(event, SampleFailed):
+                    await context.abort(event.code, event.details)
                 if isinstance(event, BaseException):
                     raise event
                 if event is None:
@@ -263,6 +291,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             if self.verifiers.problem is not None:
                 raise Precondition(self.verifiers.problem)
             req = self.parse(request)
+            if req.constraint is not None:  # compiled off the event loop (up to a second), or taken from the cache
+                req.guide = await asyncio.to_thread(self.vocab.guide, req.constraint, len(req.prompt))
             await self.admission.enter()  # a burst waits here for its turn
         except ServiceError as err:
             self.metrics.requests.labels("error", err.code.name).inc()
@@ -331,6 +361,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                      stats.drafter_failovers, stats.verifier_moves)
             if req.k is None:
                 log.debug("[%s] costs: %s", req.label, self.costs.describe())
+        except ServiceError as err:  # the request's own fault, found as it ran (a grammar over its bounds)
+            log.info("[%s] refused while running: %s", req.label, err)
+            outcome, code = "error", err.code.name
+            await abort(context, err)
         except grpc.aio.AioRpcError as err:
             log.error("[%s] a service call failed: %s %s", req.label, err.code().name, err.details())
             # Bad input, a full verifier, a passed deadline and a service's own failure keep

@@ -18,7 +18,7 @@ from opentelemetry import context as otel_context, trace
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec import features, grammar, sampling, tracing
-from specdec.errors import needs_resync
+from specdec.errors import InvalidArgument, needs_resync
 from specdec.lookup import LookupIndex, OutputMemory
 from specdec.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
@@ -629,8 +629,13 @@ def _free_drafts(drafter: DrafterLink, guide: grammar.Guide | None, history: lis
 
 
 def _follow(guide: grammar.Guide, history: list[int]) -> None:
-    if not guide.sync(history):  # every committed token was the verifier's pick under the same grammar
-        raise RuntimeError(f"the committed output left its constraint at position {guide.end}")
+    if guide.sync(history):
+        return
+    if guide.matcher.is_error():  # a step over the grammar's bounds (a schema of many optional keys)
+        raise InvalidArgument("constraint", f"the grammar failed after {guide.end - guide.start} output tokens: "
+                                            f"{guide.error.splitlines()[0]}")
+    # Every committed token was the verifier's pick under the same grammar.
+    raise RuntimeError(f"the committed output left its constraint at position {guide.end}")
 
 
 def _allowed(guide: grammar.Guide | None, drafts: list[int]) -> list[int]:

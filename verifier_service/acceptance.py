@@ -6,6 +6,7 @@ tokens. The target keeps the longest accepted prefix and adds one token: the
 *correction* at the first rejected position, or the *bonus* when all were accepted.
 """
 
+import asyncio
 import collections
 import contextlib
 from types import SimpleNamespace
@@ -38,7 +39,7 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
     n = len(seq.tokens)  # committed length: drafts start here
     drafts = list(request.draft_tokens)
     if guide is not None:
-        constrained(guide, seq.tokens, request.start)
+        await _beside_the_loop(guide, constrained, guide, seq.tokens, request.start)
     layers, first = tuple(request.features.layers), request.features.first_position
     rows = features = None
     held, cached = _cached_features(cache, layers, seq.tokens, first)
@@ -49,8 +50,8 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
     else:
         logits, done = await seq.logits(len(drafts) + 1)  # [K+1, vocab]
     logits = sampling.penalize(logits, request.sampling, seq.tokens, n)
-    accepted, token, logits = judge(logits, drafts, list(request.draft_probs), request.sampling, n, guide,
-                                    request.logprobs)
+    accepted, token, logits = await _beside_the_loop(guide, judge, logits, drafts, list(request.draft_probs),
+                                                     request.sampling, n, guide, request.logprobs)
     logprobs = [token_logprobs(logits[i], t, request.top_logprobs)
                 for i, t in enumerate(drafts[:accepted] + [token])] if request.logprobs else []
     if rows is not None:
@@ -61,6 +62,16 @@ async def verify(seq: PagedSequence, request: verifier_pb2.VerifyRequest, guide:
             cache.store(layers, seq.tokens, fresh, tail)
         features = join_features(first, cached, fresh)
     return accepted, token, done, features, logprobs
+
+
+async def _beside_the_loop(guide: grammar.Guide | None, call, *args):
+    """call(*args), on a thread where a constraint's masks are computed in it (a large
+    schema's: about 20 ms each, K + 1 a round), so that the other sessions' calls go on;
+    on the event loop otherwise (a thread's hand-off would cost every round). The session
+    is held meanwhile: nothing else touches its guide."""
+    if guide is None:
+        return call(*args)
+    return await asyncio.to_thread(call, *args)
 
 
 def _pending(cache: FeatureCache | None, session, request) -> Pending | None:
@@ -120,7 +131,7 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
     tail = _pending(cache, session, request)
     seq.sync(request.start, list(request.new_tokens))
     if guide is not None:
-        constrained(guide, seq.tokens, request.start)
+        await _beside_the_loop(guide, constrained, guide, seq.tokens, request.start)
     layers, first = tuple(request.features.layers), request.features.first_position
     end = len(seq.tokens) + min(request.max_tokens, max_positions - len(seq.tokens))
     stop, params = set(request.stop_token_ids), request.sampling

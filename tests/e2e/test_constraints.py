@@ -226,3 +226,57 @@ def test_the_verifier_drafts_forced_tokens_within_its_runs(tiny_cluster, expecte
     assert list(adaptive.token_ids) == list(alone.token_ids) == want
     assert adaptive.stats.accepted_tokens >= 4 and adaptive.stats.draft_tokens >= adaptive.stats.accepted_tokens
     assert alone.stats.draft_tokens == 0
+
+
+def test_a_large_schema_compiles_beside_the_streams(tiny_cluster, vocab):
+    """A schema was compiled on the orchestrator's event loop, for each of n samples: every
+    stream stopped meanwhile. Measured here against the same compile in this process: a
+    stream in flight may pause for no more than half of one compile."""
+    import threading
+
+    def big(title: str) -> common_pb2.Constraint:
+        return common_pb2.Constraint(json_schema=json.dumps(
+            {"title": title, "type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(1800)}}))
+
+    started = time.perf_counter()
+    vocab.guide(big("in the test"), 0)
+    compile_s = time.perf_counter() - started
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    arrivals, constrained_at = [], []
+
+    def stream():
+        for event in stub.Generate(pb.GenerateRequest(text="A long story about the sea", max_new_tokens=600,
+                                                      num_speculative_tokens=0), timeout=120):
+            arrivals.append(time.perf_counter())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while len(arrivals) < 20:
+        time.sleep(0.01)
+    constrained_at.append(time.perf_counter())
+    # Its 1,800 optional keys are past llguidance's bound on a step (a row of 2,000 items):
+    # the grammar fails at its first tokens, and says so.
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, text="Reply in JSON:", max_new_tokens=4, n=4, seed=1, constraint=big("served"))
+    constrained_at.append(time.perf_counter())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in err.value.details(), \
+        err.value.details()
+    reader.join()
+    window = [b - a for a, b in zip(arrivals, arrivals[1:]) if constrained_at[0] <= b and a <= constrained_at[1]]
+    assert window and arrivals[-1] > constrained_at[1], "the stream ended before the constrained request did"
+    assert max(window) < 0.5 * compile_s, f"a stream paused {max(window):.3f} s; one compile takes {compile_s:.3f} s"
+
+
+def test_samples_that_fail_together_end_the_call_with_their_error(tiny_cluster):
+    """Each of n samples aborted the call itself: the second abort ended the handler while
+    the first one's status was on its way, and the client waited for its deadline. A
+    grammar past llguidance's bound on a step (600 optional keys) fails them all at once."""
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    for attempt in range(6):
+        wide = common_pb2.Constraint(json_schema=json.dumps(
+            {"title": f"wide {attempt}", "type": "object",
+             "properties": {f"f{i}": {"type": "string"} for i in range(600)}}))
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, text="Reply in JSON:", max_new_tokens=8, n=16, seed=attempt, constraint=wide, timeout=20)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (attempt, err.value.details())
+        assert "constraint" in err.value.details()
