@@ -6,6 +6,7 @@ may carry `top_k`, `repetition_penalty` (vLLM's) and `specdec: {"num_speculative
 `specdec`: the request's speculation statistics."""
 
 import contextlib
+from dataclasses import dataclass
 import json
 import logging
 import math
@@ -43,15 +44,23 @@ FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.F
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "user", "n", "response_format", "top_k", "specdec",
             "safety_identifier", "prompt_cache_key", "parallel_tool_calls", "logprobs", "top_logprobs", "tools",
-            "tool_choice", "frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty"}
+            "tool_choice", "frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "echo"}
 # Refused unless they ask for what the server does anyway (the values listed; absent or
 # null always passes).
-AS_DEFAULT = {"best_of": (1,), "echo": (False,), "suffix": ("",),
+AS_DEFAULT = {"best_of": (1,), "suffix": ("",),
               "functions": ([],), "function_call": ("none", "auto"),
               "metadata": ({},),
               "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],), "audio": (),
               "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
               "prompt_cache_retention": (), "prompt_cache_options": ()}
+
+
+@dataclass
+class Echo:
+    """A completion's prompt, sent back before its text (`echo`): as the client wrote it,
+    and as the target's tokens."""
+    text: str
+    ids: list[int]
 
 
 class Refused(Exception):
@@ -241,7 +250,21 @@ class OpenAIFront:
             generate.token_ids.ids.extend(prompt)
         else:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "prompt: one string or one list of token ids", "prompt")
-        return await self._respond(request, body, generate, chat=False)
+        echo = None
+        if _field(body, "echo", bool, False):
+            # The prompt's log-probabilities come from one prefill (Result.prompt_logprobs):
+            # the target's own, with or without speculation. max_tokens 0: those alone.
+            if generate.logprobs and _field(body, "stream", bool, False):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "echo: with logprobs, not streamed", "echo")
+            text = prompt if isinstance(prompt, str) else self.servicer.tokenizer.decode(prompt)
+            ids = self.servicer.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+            echo = Echo(text, ids)
+            nothing_new = generate.HasField("max_new_tokens") and generate.max_new_tokens == 0
+            generate.prompt_logprobs = generate.logprobs or nothing_new
+        elif generate.HasField("max_new_tokens") and generate.max_new_tokens == 0:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be >= 1 (0 only with echo)",
+                          "max_tokens")
+        return await self._respond(request, body, generate, chat=False, echo=echo)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -267,19 +290,20 @@ class OpenAIFront:
         return await self._respond(request, body, generate, chat=True, tools=tools)
 
     async def _respond(self, request: web.Request, body: dict, generate: pb.GenerateRequest,
-                       chat: bool, tools: set[str] | None = None) -> web.StreamResponse:
+                       chat: bool, tools: set[str] | None = None, echo: Echo | None = None) -> web.StreamResponse:
         stream = bool(_field(body, "stream", bool, False))
         usage_in_stream = bool((_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
         n = _field(body, "n", int, 1)
         if n > 1 and not stream:
-            return await self._choices(generate, n, chat, tools)
+            return await self._choices(generate, n, chat, tools, echo)
         if n > 1:
             generate.n = n  # the choices' chunks interleaved, each with its index
         async with contextlib.aclosing(self.servicer.generate(generate, _Context())) as events:
-            return await self._answer(request, events, chat, stream, usage_in_stream, generate.logprobs, tools, n)
+            return await self._answer(request, events, chat, stream, usage_in_stream, generate.logprobs, tools, n,
+                                      echo)
 
-    async def _choices(self, generate: pb.GenerateRequest, n: int, chat: bool, tools: set[str] | None
-                       ) -> web.Response:
+    async def _choices(self, generate: pb.GenerateRequest, n: int, chat: bool, tools: set[str] | None,
+                       echo: Echo | None = None) -> web.Response:
         """n independent samples, generated at once (GenerateRequest.n: choice i draws with
         seed + i, a random seed where none is given, so a seed reproduces every choice)."""
         generate.n = n
@@ -292,7 +316,7 @@ class OpenAIFront:
             for event in events:
                 yield event
 
-        answers = [await self._choice(replay(events), chat, generate.logprobs, tools, i)
+        answers = [await self._choice(replay(events), chat, generate.logprobs, tools, i, echo)
                    for i, events in enumerate(by_index)]
         results = [result for _, result in answers]
         usage = {"prompt_tokens": results[0].usage.prompt_tokens,
@@ -304,9 +328,9 @@ class OpenAIFront:
                                   "choices": [choice for choice, _ in answers], "usage": usage,
                                   "specdec": [_stats(r) for r in results]})
 
-    async def _choice(self, events, chat: bool, asked: bool, tools: set[str] | None, index: int = 0
-                      ) -> tuple[dict, pb.Result]:
-        """One generation's choice, read whole."""
+    async def _choice(self, events, chat: bool, asked: bool, tools: set[str] | None, index: int = 0,
+                      echo: Echo | None = None) -> tuple[dict, pb.Result]:
+        """One generation's choice, read whole (after its prompt, with `echo`)."""
         text, result, logprobs = [], None, []
         async for event in events:
             if event.HasField("chunk"):
@@ -323,11 +347,15 @@ class OpenAIFront:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
             choice["logprobs"] = self._logprobs(logprobs, chat) if asked else None
         else:
-            choice.update(text="".join(text), logprobs=self._logprobs(logprobs, chat) if asked else None)
+            prompt = None if echo is None else (echo.ids, result.prompt_logprobs)
+            choice.update(text=(echo.text if echo else "") + "".join(text),
+                          logprobs=self._logprobs(logprobs, chat, prompt) if asked else None)
         return choice, result
 
-    def _logprobs(self, entries, chat: bool) -> dict:
-        """OpenAI's logprobs object: chat's `content` list, or completions' four lists."""
+    def _logprobs(self, entries, chat: bool, prompt: tuple[list[int], list] | None = None) -> dict:
+        """OpenAI's logprobs object: chat's `content` list, or completions' four lists;
+        these after the prompt's (its token ids and the log-probabilities of those after
+        the first, which has none: null) where it is echoed."""
         def token(i: int) -> str:
             return self.servicer.tokenizer.decode([i])
 
@@ -337,23 +365,27 @@ class OpenAIFront:
                  "top_logprobs": [{"token": token(i), "logprob": v, "bytes": list(token(i).encode())}
                                   for i, v in zip(e.top_token_ids, e.top_logprobs)]} for e in entries],
                 "refusal": None}
-        tokens = [token(e.token_id) for e in entries]
+        ids, scored = prompt if prompt is not None else ([], [])
+        tokens = [token(i) for i in ids] + [token(e.token_id) for e in entries]
         offsets, at = [], 0
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{token(i): v for i, v in zip(e.top_token_ids, e.top_logprobs)} for e in entries],
+        entries = list(scored) + list(entries)
+        first = [None] if ids else []
+        return {"tokens": tokens, "token_logprobs": first + [e.logprob for e in entries],
+                "top_logprobs": first + [{token(i): v for i, v in zip(e.top_token_ids, e.top_logprobs)}
+                                         for e in entries],
                 "text_offset": offsets}
 
     async def _answer(self, request: web.Request, events, chat: bool, stream: bool,
                       usage_in_stream: bool, asked: bool = False, tools: set[str] | None = None,
-                      choices: int = 1) -> web.StreamResponse:
+                      choices: int = 1, echo: Echo | None = None) -> web.StreamResponse:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         if not stream:
-            choice, result = await self._choice(events, chat, asked, tools)
+            choice, result = await self._choice(events, chat, asked, tools, echo=echo)
             return web.json_response({"id": ident, "object": kind, "created": created, "model": self.model_name,
                                       "choices": [choice], "usage": _usage(result), "specdec": _stats(result)})
 
@@ -379,6 +411,9 @@ class OpenAIFront:
         if chat:
             for index in range(choices):
                 await send(index, {"role": "assistant", "content": ""})
+        if echo is not None:  # without logprobs (refused streamed with them): the prompt's text first
+            for index in range(choices):
+                await send(index, {"content": echo.text})
         # With tools, each choice's answer is held to its end: a call or text.
         event, held, held_logprobs, results = first, [[] for _ in range(choices)], [[] for _ in range(choices)], []
         try:

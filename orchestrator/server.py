@@ -72,6 +72,7 @@ class Request:
     constraint: common_pb2.Constraint | None = None
     guide: grammar.Guide | None = None  # the output's place in its constraint (set by `generate`)
     top_logprobs: int | None = None  # None: no log-probabilities asked for
+    prompt_top_logprobs: int | None = None  # None: none of the prompt's asked for
 
 
 @dataclass
@@ -147,8 +148,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID} characters")
         prompt = self.prompt_ids(r)
         max_new = r.max_new_tokens if r.HasField("max_new_tokens") else limits.default_max_new_tokens
-        if not 1 <= max_new <= limits.max_new_tokens:
-            raise InvalidArgument("max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
+        if not (1 if not r.prompt_logprobs else 0) <= max_new <= limits.max_new_tokens:
+            raise InvalidArgument("max_new_tokens", f"must be in [1, {limits.max_new_tokens}] (0 with prompt_logprobs), "
+                                                    f"got {max_new}")
         if len(prompt) + max_new > self.info.max_positions:
             raise InvalidArgument("max_new_tokens", f"the prompt ({len(prompt)} tokens) plus {max_new} new tokens "
                                                     f"exceeds the model's {self.info.max_positions} positions")
@@ -174,12 +176,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         if r.HasField("repetition_penalty") and not r.repetition_penalty > 0:
             raise InvalidArgument("repetition_penalty", f"must be in (0, 100], got {r.repetition_penalty}")
         sampling.check_penalties(params, vocab_size=self.info.vocab_size)
-        if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS or (r.top_logprobs and not r.logprobs):
-            raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], with logprobs set; "
-                                                  f"got {r.top_logprobs}")
+        if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS or (r.top_logprobs and not (r.logprobs or r.prompt_logprobs)):
+            raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], with logprobs or "
+                                                  f"prompt_logprobs set; got {r.top_logprobs}")
         return Request(r.request_id or uuid.uuid4().hex, prompt, max_new, k, params, list(r.stop),
                        r.constraint if r.constraint.WhichOneof("kind") else None, None,
-                       r.top_logprobs if r.logprobs else None)
+                       r.top_logprobs if r.logprobs else None, r.top_logprobs if r.prompt_logprobs else None)
 
     def prompt_ids(self, r: pb.GenerateRequest) -> list[int]:
         which = r.WhichOneof("prompt")
@@ -331,9 +333,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             policy = FixedK(req.k) if req.k is not None else AdaptiveK(
                 self.costs, self.limits.adaptive_max_k, self.limits.default_k,
                 probes_beside_runs=sampling.is_greedy(req.params), lookup_k_max=self.limits.max_k)
+            # The prompt's own log-probabilities: one prefill, before (and whatever) the rounds.
+            scored = await verifier.score(req.prompt_top_logprobs) if req.prompt_top_logprobs is not None else []
             rounds = speculate(req.prompt, req.max_new_tokens, policy, set(self.info.eos_token_ids), drafter,
                                verifier, stats, overlap=self.limits.overlap,
-                               trace_context=trace.set_span_in_context(span), guide=req.guide)
+                               trace_context=trace.set_span_in_context(span), guide=req.guide) \
+                if req.max_new_tokens else _nothing()
             async with contextlib.aclosing(rounds):  # a stop string ends it early: stop its drafting too
                 async for new in rounds:
                     position = len(req.prompt) + len(text.ids)
@@ -347,7 +352,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             tail = text.finish()
             if tail:
                 yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
-            yield pb.GenerateResponse(result=self.result(req, text, stats))
+            yield pb.GenerateResponse(result=self.result(req, text, stats, scored))
             outcome, code = "ok", "OK"
             memory = self.output_memory(self.pool.lookup_rule)
             if memory is not None:  # with the prompt's end, which its first tokens follow
@@ -401,7 +406,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 log.warning("[%s] closing session %s failed: %s (the idle timeout will release it)",
                             label, link.session_id, err.code().name)
 
-    def result(self, req: Request, text: TextStream, stats: Stats) -> pb.Result:
+    def result(self, req: Request, text: TextStream, stats: Stats, scored=()) -> pb.Result:
         if text.stop_hit is not None or (text.ids and text.ids[-1] in self.info.eos_token_ids):
             finish = pb.FINISH_REASON_STOP
         elif req.guide is not None and req.guide.sync(req.prompt + text.ids) and req.guide.dead:
@@ -409,7 +414,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         else:
             finish = pb.FINISH_REASON_LENGTH
         return pb.Result(
-            request_id=req.label, token_ids=text.ids, text=text.text, finish_reason=finish,
+            request_id=req.label, token_ids=text.ids, text=text.text, finish_reason=finish, prompt_logprobs=scored,
             stop_sequence=text.stop_hit or "",
             usage=pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(text.ids)),
             stats=pb.SpeculationStats(
@@ -527,6 +532,12 @@ def verifier_autoscaler(args, pool: VerifierPool, source, metrics: OrchestratorM
     policy = Policy(max(1, args.autoscale_verifiers_min_replicas), args.autoscale_verifiers_max_replicas,
                     args.autoscale_verifiers_target_sessions, args.autoscale_cooldown)
     return Autoscaler(policy, pool, source, metrics=metrics, what="verifiers")
+
+
+async def _nothing():
+    """The rounds of a request for no new tokens (its prompt's log-probabilities alone)."""
+    return
+    yield
 
 
 def _rate(stats: Stats) -> float:

@@ -204,6 +204,24 @@ class VerifierLink:
                 self.logprobs[len(history) + i] = logprobs
             return response.num_accepted, response.next_token, response.batch_pass
 
+    async def score(self, top_logprobs: int) -> list[common_pb2.TokenLogprobs]:
+        """The target's log-probabilities of the prompt's tokens after the first (one
+        prefill on the session, which the next call resets: it starts at 0)."""
+        retry = _Retry(self)
+        while True:
+            try:
+                stub = await self._stub()
+                response = await stub.Score(
+                    verifier_pb2.ScoreRequest(session_id=self.session_id, token_ids=self.prompt,
+                                              top_logprobs=top_logprobs),
+                    timeout=self.deadline.timeout(self.timeout_s), metadata=self.metadata + tracing.headers())
+            except grpc.aio.AioRpcError as err:
+                await retry.after(err)
+                continue
+            self.synced = 0  # what it holds now is not what a round's call assumes: the next one starts at 0
+            self._answered(response.batch_pass)
+            return list(response.logprobs)
+
     def _features(self, response) -> None:
         if self.features is not None and response.HasField("features"):
             self.features.window.add(response.features)

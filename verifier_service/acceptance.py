@@ -74,6 +74,23 @@ async def _beside_the_loop(guide: grammar.Guide | None, call, *args):
     return await asyncio.to_thread(call, *args)
 
 
+SCORE_CHUNK = 256  # positions a Score pass computes logits for: [256, vocab] at a time, not a whole prompt's
+
+
+async def score(seq: PagedSequence, tokens: list[int], top: int) -> tuple[list[common_pb2.TokenLogprobs], Pass]:
+    """The target's log-probabilities of tokens[1:], each after the tokens before it: the
+    session reset to them, a prefill in chunks of SCORE_CHUNK positions (each row's
+    logits are its own whatever the pass: the same as any other call's there)."""
+    logprobs, done = [], None
+    for start in range(0, len(tokens), SCORE_CHUNK):
+        chunk = tokens[start:start + SCORE_CHUNK]
+        seq.sync(start, chunk)
+        logits, done = await seq.logits(len(chunk))  # [len(chunk), vocab]: after each of its tokens
+        following = tokens[start + 1:start + 1 + len(chunk)]
+        logprobs.extend(token_logprobs(logits[i], t, top) for i, t in enumerate(following))
+    return logprobs, done
+
+
 def _pending(cache: FeatureCache | None, session, request) -> Pending | None:
     """The session's features since its last whole block (for `cache`), as far as the
     call's start keeps them."""

@@ -17,7 +17,7 @@ from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
 from specdec.validation import MAX_DRAFT_TOKENS, check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier_service.acceptance import decode, verify
+from verifier_service.acceptance import decode, score, verify
 from verifier_service.feature_cache import FeatureCache
 
 log = logging.getLogger("verifier")
@@ -139,6 +139,25 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
         except ServiceError as err:
             await abort(context, err)
 
+
+    async def Score(self, request: verifier_pb2.ScoreRequest, context):
+        logs.bind_from(context, request.session_id)
+        try:
+            self.check_ready()
+            check_top_logprobs(request.top_logprobs)
+            if not request.token_ids:
+                raise InvalidArgument("token_ids", "must not be empty")
+            check_token_ids("token_ids", request.token_ids, self.info.vocab_size)
+            check_length("token_ids", len(request.token_ids), self.info)
+            session = self.store.get(request.session_id, 0)
+            with tracing.server_span("verifier.Score", context, session_id=request.session_id,
+                                     tokens=len(request.token_ids)):
+                async with self.model_work(session) as seq:
+                    session.guide = session.lookup_passed = session.lookup_index = None  # as at start = 0
+                    logprobs, done = await score(seq, list(request.token_ids), request.top_logprobs)
+            return verifier_pb2.ScoreResponse(logprobs=logprobs, batch_pass=batch_pass(done))
+        except ServiceError as err:
+            await abort(context, err)
 
     async def Decode(self, request: verifier_pb2.DecodeRequest, context):
         logs.bind_from(context, request.session_id)

@@ -85,3 +85,34 @@ def test_bad_top_logprobs_is_refused(tiny_cluster, fields):
         generate(stub, text="hi", max_new_tokens=2, **fields)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("top_logprobs")
+
+
+def test_prompt_logprobs_are_the_targets_own_whatever_the_speculation(tiny_cluster, tiny_pair, smol_tokenizer):
+    """GenerateRequest.prompt_logprobs (echo's log-probabilities): one prefill's, those of
+    the target's own forward pass over the prompt, alone (max_new_tokens 0) or before an
+    output, at K = 0 or with drafts; a prompt longer than one scoring chunk too."""
+    model = tiny_pair[2]
+    long = " ".join(PROMPTS * 12)  # past 256 tokens: scored in two chunks
+    for prompt in (PROMPTS[0], long):
+        ids = smol_tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [n, vocab]
+        results = []
+        for kind, fields in (("model", dict(max_new_tokens=0)), ("model", dict(max_new_tokens=8,
+                                                                               num_speculative_tokens=0)),
+                             ("model", dict(max_new_tokens=8, num_speculative_tokens=3)),
+                             ("hybrid", dict(max_new_tokens=8))):
+            _, result = generate(tiny_cluster.orchestrator_stub(tiny_cluster.roles[kind]), token_ids=pb.TokenIds(ids=ids),
+                                 prompt_logprobs=True, top_logprobs=TOP, **fields)
+            scored = list(result.prompt_logprobs)
+            assert [e.token_id for e in scored] == ids[1:] and len(result.token_ids) == fields["max_new_tokens"]
+            got = torch.tensor([e.logprob for e in scored])
+            assert torch.allclose(got, want[torch.arange(len(ids) - 1), ids[1:]], atol=1e-4, rtol=0), prompt
+            tops = want[:-1].topk(TOP, dim=-1).indices.tolist()
+            assert sum(list(e.top_token_ids) == t for e, t in zip(scored, tops)) >= 0.95 * len(scored)
+            results.append([(e.token_id, e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs)) for e in scored])
+        assert all(r == results[0] for r in results)  # the same bits, whatever the speculation
+    stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, text="hi", max_new_tokens=0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("max_new_tokens")

@@ -456,3 +456,32 @@ def test_clients_that_leave_hold_no_run(api, stream):
         time.sleep(0.05)
     assert running() == 0, f"{running()} runs still going {time.monotonic() - left:.1f} s after their clients left"
     assert time.monotonic() - left < 1.5
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_legacy_completions_do(api, smol_tokenizer):
+    """lm-evaluation-harness's log-likelihood requests: echo, logprobs 1, max_tokens 1 or 0;
+    it reads token_logprobs and top_logprobs of the prompt (the first: null)."""
+    cluster, o, client, _ = api
+    prompt = "The tide comes in and the boats"
+    ids = smol_tokenizer(prompt)["input_ids"]
+    scored = list(grpc_generate(cluster, o, token_ids=pb.TokenIds(ids=ids), max_new_tokens=0, prompt_logprobs=True,
+                                top_logprobs=1).prompt_logprobs)
+    for max_tokens, prompt_field in ((0, prompt), (1, ids), (3, prompt)):
+        out = client.completions.create(model=MODEL, prompt=prompt_field, max_tokens=max_tokens, echo=True,
+                                        logprobs=1, temperature=0)
+        choice = out.choices[0]
+        assert choice.text.startswith(prompt) and len(choice.logprobs.tokens) == len(ids) + max_tokens
+        assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:len(ids)] == [e.logprob for e in scored]
+        assert "".join(choice.logprobs.tokens) == choice.text
+        for value, top in zip(choice.logprobs.token_logprobs[1:], choice.logprobs.top_logprobs[1:]):
+            assert len(top) == 1 and value <= max(top.values())
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, temperature=0)
+    alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert plain.choices[0].text == prompt + alone.choices[0].text and plain.choices[0].logprobs is None
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"

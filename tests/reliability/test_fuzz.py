@@ -106,6 +106,8 @@ VALID = {
                      common_pb2.SparseDistribution(token_ids=[5], probs=[1.0])]),
     "specdec.verifier.v1.VerifierService/Decode": verifier_pb2.DecodeRequest(
         session_id="fuzz", start=0, new_tokens=[1, 2, 3], max_tokens=4, stop_token_ids=[0], sampling=SAMPLED),
+    "specdec.verifier.v1.VerifierService/Score": verifier_pb2.ScoreRequest(
+        session_id="fuzz", token_ids=[1, 2, 3, 4], top_logprobs=2),
     "specdec.verifier.v1.VerifierService/CloseSession": verifier_pb2.CloseSessionRequest(session_id="fuzz"),
     "specdec.verifier.v1.VerifierService/GetModelInfo": verifier_pb2.GetModelInfoRequest(),
     "specdec.verifier.v1.VerifierService/ListSessions": verifier_pb2.ListSessionsRequest(),

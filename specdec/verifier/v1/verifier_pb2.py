@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.common.v1 import common_pb2 as specdec_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"specdec/verifier/v1/verifier.proto\x12\x13specdec.verifier.v1\x1a\x1especdec/common/v1/common.proto\"\xf9\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12:\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32%.specdec.common.v1.SparseDistribution\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.specdec.common.v1.SamplingParams\x12\x35\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32#.specdec.verifier.v1.FeatureRequest\x12\x31\n\nconstraint\x18\x08 \x01(\x0b\x32\x1d.specdec.common.v1.Constraint\x12\x18\n\x10\x63onstraint_start\x18\t \x01(\x05\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\"8\n\x0e\x46\x65\x61tureRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\x05\"\xd1\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x32\n\nbatch_pass\x18\x03 \x01(\x0b\x32\x1e.specdec.verifier.v1.BatchPass\x12-\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x1b.specdec.common.v1.Features\x12\x32\n\x08logprobs\x18\x05 \x03(\x0b\x32 .specdec.common.v1.TokenLogprobs\"l\n\tBatchPass\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x02\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\x05\x12\x18\n\x10waiting_sessions\x18\x05 \x01(\x05\"\xa0\x03\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.specdec.common.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x35\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32#.specdec.verifier.v1.FeatureRequest\x12\x31\n\nconstraint\x18\x08 \x01(\x0b\x32\x1d.specdec.common.v1.Constraint\x12\x18\n\x10\x63onstraint_start\x18\t \x01(\x05\x12\x14\n\x0c\x64raft_forced\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x35\n\x0c\x64raft_lookup\x18\r \x01(\x0b\x32\x1f.specdec.verifier.v1.LookupRule\"F\n\nLookupRule\x12\x11\n\tmin_match\x18\x01 \x01(\x05\x12\x11\n\tmax_match\x18\x02 \x01(\x05\x12\x12\n\nmax_drafts\x18\x03 \x01(\x05\"\xfa\x01\n\x0e\x44\x65\x63odeResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x32\n\nbatch_pass\x18\x02 \x01(\x0b\x32\x1e.specdec.verifier.v1.BatchPass\x12-\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x1b.specdec.common.v1.Features\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\x08\x12\x17\n\x0f\x64rafts_rejected\x18\x05 \x01(\x05\x12\x32\n\x08logprobs\x18\x06 \x01(\x0b\x32 .specdec.common.v1.TokenLogprobs\x12\x15\n\rlookup_drafts\x18\x07 \x01(\x08\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"B\n\x14GetModelInfoResponse\x12*\n\x04info\x18\x01 \x01(\x0b\x32\x1c.specdec.common.v1.ModelInfo\"\x15\n\x13ListSessionsRequest\"H\n\x14ListSessionsResponse\x12\x30\n\x08sessions\x18\x01 \x03(\x0b\x32\x1e.specdec.common.v1.SessionInfo2\xe8\x03\n\x0fVerifierService\x12Q\n\x06Verify\x12\".specdec.verifier.v1.VerifyRequest\x1a#.specdec.verifier.v1.VerifyResponse\x12S\n\x06\x44\x65\x63ode\x12\".specdec.verifier.v1.DecodeRequest\x1a#.specdec.verifier.v1.DecodeResponse0\x01\x12\x63\n\x0c\x43loseSession\x12(.specdec.verifier.v1.CloseSessionRequest\x1a).specdec.verifier.v1.CloseSessionResponse\x12\x63\n\x0cGetModelInfo\x12(.specdec.verifier.v1.GetModelInfoRequest\x1a).specdec.verifier.v1.GetModelInfoResponse\x12\x63\n\x0cListSessions\x12(.specdec.verifier.v1.ListSessionsRequest\x1a).specdec.verifier.v1.ListSessionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"specdec/verifier/v1/verifier.proto\x12\x13specdec.verifier.v1\x1a\x1especdec/common/v1/common.proto\"\xf9\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12:\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32%.specdec.common.v1.SparseDistribution\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.specdec.common.v1.SamplingParams\x12\x35\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32#.specdec.verifier.v1.FeatureRequest\x12\x31\n\nconstraint\x18\x08 \x01(\x0b\x32\x1d.specdec.common.v1.Constraint\x12\x18\n\x10\x63onstraint_start\x18\t \x01(\x05\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\"8\n\x0e\x46\x65\x61tureRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\x05\"\xd1\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x32\n\nbatch_pass\x18\x03 \x01(\x0b\x32\x1e.specdec.verifier.v1.BatchPass\x12-\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x1b.specdec.common.v1.Features\x12\x32\n\x08logprobs\x18\x05 \x03(\x0b\x32 .specdec.common.v1.TokenLogprobs\"K\n\x0cScoreRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x01(\x05\"w\n\rScoreResponse\x12\x32\n\x08logprobs\x18\x01 \x03(\x0b\x32 .specdec.common.v1.TokenLogprobs\x12\x32\n\nbatch_pass\x18\x02 \x01(\x0b\x32\x1e.specdec.verifier.v1.BatchPass\"l\n\tBatchPass\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x02\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\x05\x12\x18\n\x10waiting_sessions\x18\x05 \x01(\x05\"\xa0\x03\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.specdec.common.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x35\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32#.specdec.verifier.v1.FeatureRequest\x12\x31\n\nconstraint\x18\x08 \x01(\x0b\x32\x1d.specdec.common.v1.Constraint\x12\x18\n\x10\x63onstraint_start\x18\t \x01(\x05\x12\x14\n\x0c\x64raft_forced\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x35\n\x0c\x64raft_lookup\x18\r \x01(\x0b\x32\x1f.specdec.verifier.v1.LookupRule\"F\n\nLookupRule\x12\x11\n\tmin_match\x18\x01 \x01(\x05\x12\x11\n\tmax_match\x18\x02 \x01(\x05\x12\x12\n\nmax_drafts\x18\x03 \x01(\x05\"\xfa\x01\n\x0e\x44\x65\x63odeResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x32\n\nbatch_pass\x18\x02 \x01(\x0b\x32\x1e.specdec.verifier.v1.BatchPass\x12-\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x1b.specdec.common.v1.Features\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\x08\x12\x17\n\x0f\x64rafts_rejected\x18\x05 \x01(\x05\x12\x32\n\x08logprobs\x18\x06 \x01(\x0b\x32 .specdec.common.v1.TokenLogprobs\x12\x15\n\rlookup_drafts\x18\x07 \x01(\x08\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"B\n\x14GetModelInfoResponse\x12*\n\x04info\x18\x01 \x01(\x0b\x32\x1c.specdec.common.v1.ModelInfo\"\x15\n\x13ListSessionsRequest\"H\n\x14ListSessionsResponse\x12\x30\n\x08sessions\x18\x01 \x03(\x0b\x32\x1e.specdec.common.v1.SessionInfo2\xb8\x04\n\x0fVerifierService\x12Q\n\x06Verify\x12\".specdec.verifier.v1.VerifyRequest\x1a#.specdec.verifier.v1.VerifyResponse\x12S\n\x06\x44\x65\x63ode\x12\".specdec.verifier.v1.DecodeRequest\x1a#.specdec.verifier.v1.DecodeResponse0\x01\x12N\n\x05Score\x12!.specdec.verifier.v1.ScoreRequest\x1a\".specdec.verifier.v1.ScoreResponse\x12\x63\n\x0c\x43loseSession\x12(.specdec.verifier.v1.CloseSessionRequest\x1a).specdec.verifier.v1.CloseSessionResponse\x12\x63\n\x0cGetModelInfo\x12(.specdec.verifier.v1.GetModelInfoRequest\x1a).specdec.verifier.v1.GetModelInfoResponse\x12\x63\n\x0cListSessions\x12(.specdec.verifier.v1.ListSessionsRequest\x1a).specdec.verifier.v1.ListSessionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,26 +38,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FEATUREREQUEST']._serialized_end=527
   _globals['_VERIFYRESPONSE']._serialized_start=530
   _globals['_VERIFYRESPONSE']._serialized_end=739
-  _globals['_BATCHPASS']._serialized_start=741
-  _globals['_BATCHPASS']._serialized_end=849
-  _globals['_DECODEREQUEST']._serialized_start=852
-  _globals['_DECODEREQUEST']._serialized_end=1268
-  _globals['_LOOKUPRULE']._serialized_start=1270
-  _globals['_LOOKUPRULE']._serialized_end=1340
-  _globals['_DECODERESPONSE']._serialized_start=1343
-  _globals['_DECODERESPONSE']._serialized_end=1593
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1595
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1636
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1638
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1676
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1678
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1699
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1701
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1767
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1769
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1790
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1792
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1864
-  _globals['_VERIFIERSERVICE']._serialized_start=1867
-  _globals['_VERIFIERSERVICE']._serialized_end=2355
+  _globals['_SCOREREQUEST']._serialized_start=741
+  _globals['_SCOREREQUEST']._serialized_end=816
+  _globals['_SCORERESPONSE']._serialized_start=818
+  _globals['_SCORERESPONSE']._serialized_end=937
+  _globals['_BATCHPASS']._serialized_start=939
+  _globals['_BATCHPASS']._serialized_end=1047
+  _globals['_DECODEREQUEST']._serialized_start=1050
+  _globals['_DECODEREQUEST']._serialized_end=1466
+  _globals['_LOOKUPRULE']._serialized_start=1468
+  _globals['_LOOKUPRULE']._serialized_end=1538
+  _globals['_DECODERESPONSE']._serialized_start=1541
+  _globals['_DECODERESPONSE']._serialized_end=1791
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1793
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1834
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1836
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1874
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1876
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1897
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1899
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1965
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1967
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1988
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1990
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2062
+  _globals['_VERIFIERSERVICE']._serialized_start=2065
+  _globals['_VERIFIERSERVICE']._serialized_end=2633
 # @@protoc_insertion_point(module_scope)

@@ -55,6 +55,24 @@ class VerifyResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class ScoreRequest(_message.Message):
+    __slots__ = ("session_id", "token_ids", "top_logprobs")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("logprobs", "batch_pass")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PASS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    batch_pass: BatchPass
+    def __init__(self, logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ...) -> None: ...
+
 class BatchPass(_message.Message):
     __slots__ = ("rows", "tokens", "seconds", "free_kv_blocks", "waiting_sessions")
     ROWS_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class VerifierServiceStub:
                 request_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/specdec.verifier.v1.VerifierService/Score',
+                request_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.ScoreResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.verifier.v1.VerifierService/CloseSession',
                 request_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.CloseSessionRequest.SerializeToString,
@@ -92,6 +97,15 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """The target's log-probability of each of token_ids[1:] after the tokens before it:
+        one prefill of the session (it is created or reset, as by a call with start = 0),
+        whatever it held. The prompt's log-probabilities of a completion with echo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Releases a session's cache. Closing an unknown session is not an error.
         """
@@ -125,6 +139,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
                     response_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.ScoreRequest.FromString,
+                    response_serializer=specdec_dot_verifier_dot_v1_dot_verifier__pb2.ScoreResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -197,6 +216,33 @@ class VerifierService:
             '/specdec.verifier.v1.VerifierService/Decode',
             specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
             specdec_dot_verifier_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.verifier.v1.VerifierService/Score',
+            specdec_dot_verifier_dot_v1_dot_verifier__pb2.ScoreRequest.SerializeToString,
+            specdec_dot_verifier_dot_v1_dot_verifier__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
