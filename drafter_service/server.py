@@ -13,6 +13,7 @@ from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
+from specdec.wire import MESSAGE_SLACK_BYTES, SERVICE_MESSAGE_BYTES
 from specdec.validation import MAX_DRAFT_TOKENS, check_length, check_token_ids
 from drafter_service.proposers import FeatureProposer, HybridProposer, ModelProposer, NgramProposer, Proposer
 
@@ -111,6 +112,12 @@ def make_proposer(args, metrics=None) -> Proposer:
     if eagle.is_head(path):
         head = eagle.load_head(path, dtype=modeling.DTYPES[args.dtype], device=args.device,
                                window=args.feature_window)
+        window_bytes = head.window * len(head.aux_layers) * head.config.target_hidden * features.BYTES
+        if window_bytes + MESSAGE_SLACK_BYTES > SERVICE_MESSAGE_BYTES:
+            raise SystemExit(f"specdec-drafter: a window of {head.window} positions of this head's features "
+                             f"({len(head.aux_layers)} layers x {head.config.target_hidden}) takes {window_bytes} "
+                             f"bytes, more than a message between the services holds ({SERVICE_MESSAGE_BYTES}); "
+                             f"lower --feature-window")
         proposer = FeatureProposer(head, modeling.load_tokenizer(path), args.model, args.threads,
                                    args.max_draft_support)
     else:
@@ -148,6 +155,7 @@ async def serve(args, on_listen=None) -> None:
                                               release=proposer.release), metrics)
 
     await server.serve(
+        message_bytes=SERVICE_MESSAGE_BYTES,
         name="drafter", host=args.host, port=args.port,
         service_names=[drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name],
         register=lambda s: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, s),

@@ -12,7 +12,7 @@ import grpc
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.security import aio_channel
 from orchestrator.tasks import spawn
-from specdec.server import MESSAGE_OPTIONS
+from specdec.wire import SERVICE_MESSAGE_BYTES, message_options
 
 log = logging.getLogger("orchestrator.pool")
 
@@ -21,7 +21,7 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
-    *MESSAGE_OPTIONS,
+    *message_options(SERVICE_MESSAGE_BYTES),  # a feature window rides in one message
 ]
 
 

@@ -23,6 +23,7 @@ from specdec.engine import Engine, one_thread_outside_engines, reproducible_blas
 from specdec.errors import RESYNC_DETAIL, Internal, ServiceError, Unavailable, abort
 from specdec.quantize import quantize
 from specdec.sessions import Session, SessionStore
+from specdec.wire import MAX_MESSAGE_BYTES, message_options
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,6 @@ class SessionServicer:
         return self.pb.GetModelInfoResponse(info=self.info)
 
 
-# The largest message a service takes or sends, stated rather than left to gRPC's
-# default: a Verify of a full 8k-token history is ~40 KB; a prompt's text may be long.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-MESSAGE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 @dataclass
@@ -215,9 +211,9 @@ def refuse_taken_ports(service: str, args) -> None:
 
 
 def create_server(host: str, port: int, credentials: grpc.ServerCredentials | None = None,
-                  interceptors=()) -> tuple[grpc.aio.Server, int]:
+                  interceptors=(), message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, int]:
     """A server bound to host:port (port 0 picks a free one); returns it and its port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *MESSAGE_OPTIONS],
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *message_options(message_bytes)],
                              interceptors=[MalformedRequests(), *interceptors])
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
@@ -226,9 +222,10 @@ def create_server(host: str, port: int, credentials: grpc.ServerCredentials | No
     return server, bound
 
 
-async def start_listener(name: str, listener: Listener, health_servicer, security: Security
-                         ) -> tuple[grpc.aio.Server, int]:
-    server, bound = create_server(listener.host, listener.port, security.credentials, security.interceptors)
+async def start_listener(name: str, listener: Listener, health_servicer, security: Security,
+                         message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, int]:
+    server, bound = create_server(listener.host, listener.port, security.credentials, security.interceptors,
+                                  message_bytes)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     listener.register(server)
     reflection.enable_server_reflection((*listener.service_names, reflection.SERVICE_NAME, health.SERVICE_NAME),
@@ -254,6 +251,7 @@ async def serve(
     security: Security = Security(),
     serving: Callable[[], bool] = lambda: True,
     drained: Callable[[], Awaitable[None]] | None = None,
+    message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> None:
     """Starts the server at once (health answers NOT_SERVING), awaits `load`, then
     reports SERVING; on SIGTERM or SIGINT it drains: health turns NOT_SERVING, new calls
@@ -261,14 +259,15 @@ async def serve(
     an embedding host (a Ray actor) the bound port and a thread-safe stop. `admin`: a
     second port, for the services operators call; `security`: TLS and auth of both.
     `serving()`: whether the service can take calls now (health follows it once loaded).
-    `drained()`: work the calls left behind, awaited once they have all ended."""
+    `drained()`: work the calls left behind, awaited once they have all ended.
+    `message_bytes`: the largest message its main port takes or sends (specdec.wire)."""
     health_servicer = health.aio.HealthServicer()
     everything = [*service_names, *(admin.service_names if admin else [])]
     for service in ("", *everything):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     servers = []
     server, bound = await start_listener(name, Listener(host, port, service_names, register), health_servicer,
-                                         security)
+                                         security, message_bytes)
     servers.append(server)
     if admin is not None:
         servers.append((await start_listener(name, admin, health_servicer, security))[0])

@@ -11,11 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 
 def build_llama(tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: int = 2,
-                init_range: float = 0.02, eos_token_id: int | None = None) -> LlamaForCausalLM:
+                init_range: float = 0.02, eos_token_id: int | None = None, intermediate: int | None = None,
+                heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=4096, tie_word_embeddings=False,
         initializer_range=init_range, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None,
     )
     model = LlamaForCausalLM(config).eval()

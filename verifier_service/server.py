@@ -15,6 +15,7 @@ from specdec import flags, grammar, logs, modeling, sampling, server, tracing
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
+from specdec.wire import SERVICE_MESSAGE_BYTES
 from specdec.validation import MAX_DRAFT_TOKENS, check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.acceptance import decode, score, verify
@@ -238,6 +239,7 @@ async def serve(args, on_listen=None) -> None:
                                           release=engine.release), metrics)
 
     await server.serve(
+        message_bytes=SERVICE_MESSAGE_BYTES,
         name="verifier", host=args.host, port=args.port,
         service_names=[verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name],
         register=lambda s: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s),

@@ -9,7 +9,7 @@ import pytest
 
 from cluster import drafter, drafter_pb2, generate, orchestrator, pb, verifier_pb2
 from specdec.common.v1 import common_pb2
-from specdec.server import MAX_MESSAGE_BYTES
+from specdec.wire import MAX_MESSAGE_BYTES, SERVICE_MESSAGE_BYTES
 
 GREEDY = common_pb2.SamplingParams(top_p=1.0)
 VOCAB = 49152
@@ -153,6 +153,12 @@ def test_message_size_is_limited(tiny_cluster):
     stub = tiny_cluster.orchestrator_stub(tiny_cluster.roles["model"])
     with pytest.raises(grpc.RpcError) as err:
         stub.Complete(pb.GenerateRequest(text="a" * (MAX_MESSAGE_BYTES + 1)), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The services' own ports take a feature window's message, and no more than their bound.
+    drafter_stub = tiny_cluster.drafter_stub(tiny_cluster.roles["model-drafter"])
+    with pytest.raises(grpc.RpcError) as err:
+        list(drafter_stub.Propose(Propose(features=common_pb2.Features(data=bytes(SERVICE_MESSAGE_BYTES + 1))),
+                                  timeout=30))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
