@@ -157,11 +157,12 @@ class Vocabulary:
     def __init__(self, tokenizer, vocab_size: int, eos: list[int]):
         import llguidance.hf  # transformers, imported only where a tokenizer is at hand
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos = vocab_size, set(eos)
         # digest of a constraint -> (its grammar, a matcher that has consumed nothing), newest last
         self._compiled: collections.OrderedDict[bytes, tuple[str, llguidance.LLMatcher]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._compiling: dict[bytes, threading.Lock] = {}  # one compile of a constraint at a time
+        self.refused = 0  # tokens a guide's matcher refused in a history it was asked to follow (Guide.sync)
 
     @functools.lru_cache(maxsize=256)
     def check(self, grammar: str) -> str:
@@ -252,7 +253,15 @@ class Guide:
             self._bits = None
         new = history[self.end:]
         if self.allowed(new) < len(new):  # checked first: a refused token ends the matcher for good
-            return self._replay(history)
+            # Never repaired: where the history is the target's picks under this grammar, a
+            # refusal means a pick was made under another state than this one, and the output
+            # may already differ from the target alone's. The caller fails the request.
+            refused = new[self.allowed(new)]
+            if refused not in self.vocab.eos:  # an end after the grammar stopped: llguidance's way, no fault
+                self.vocab.refused += 1
+                log.warning("constraint: the matcher refuses token %d at position %d of the history it follows",
+                            refused, self.end + self.allowed(new))
+            return False
         if not new:
             return not self.matcher.is_error()
         self._bits = None
@@ -276,23 +285,6 @@ class Guide:
         if self.end - to - uncounted:
             self.matcher.rollback(self.end - to - uncounted)
         self.end = to
-
-    def _replay(self, history: list[int]) -> bool:
-        """A fresh matcher over the whole output, where the incremental one refused a token
-        of it: seen on a verifier under full CPU load (three benchmark runs beside a
-        compiler, 2 cores), the refused token a pick of its own; not reproduced without
-        that load. A fresh matcher took the same output. (One way to a matcher behind its
-        output was found later: masks over drafts that end the output, rolled back over an
-        uncounted end; see the class. This stays for any other.)"""
-        fresh = llguidance.LLMatcher(self.vocab.tokenizer, self.grammar, log_level=0, limits=LIMITS)
-        output = history[self.start:]
-        if fresh.validate_tokens(output) < len(output) if output else False:
-            return False
-        log.warning("constraint: the matcher refused token %d at position %d of an output it allows; "
-                    "replayed %d tokens on a fresh one", history[self.end + self.allowed(history[self.end:])],
-                    self.end + self.allowed(history[self.end:]), len(output))
-        self.matcher, self.end, self._uncounted, self._bits = fresh, self.start, [], None
-        return self._take(output)
 
     def advance(self, token: int) -> bool:
         """Consumes one more token; False (consuming nothing) where the grammar refuses it."""

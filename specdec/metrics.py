@@ -67,6 +67,9 @@ class EngineMetrics(Metrics):
         self.waiting = of(self.gauge, "waiting_for_memory", "sessions waiting for KV memory")
         self.kv_used = of(self.gauge, "kv_blocks_used", "KV pool blocks held by sessions")
         self.kv_total = of(self.gauge, "kv_blocks_capacity", "KV pool blocks in all")
+        self.constraint_refusals = of(self.gauge, "constraint_refused_tokens",
+                                      "committed tokens a session's constraint refused since the start (its "
+                                      "request failed; any is a fault: the tokens were the target's picks under it)")
 
     def follow(self, queue: Callable[[], int], waiting: Callable[[], int], kv_used: Callable[[], int],
                kv_total: int) -> None:

@@ -185,7 +185,15 @@ async def decode(seq: PagedSequence, request: verifier_pb2.DecodeRequest, max_po
                               last and by_lookup))
         if guide is not None:
             for t in tokens:
-                guide.advance(t)
+                # Picked under this guide's own mask: refused never, but for an end after the
+                # grammar stopped (llguidance takes none then), unless its state moved meanwhile.
+                if guide.advance(t) or t in stop:
+                    continue
+                if guide.matcher.is_error():  # a step past the grammar's bounds
+                    raise InvalidArgument("constraint", f"failed at position {guide.end}: "
+                                                        f"{guide.error.splitlines()[0]}")
+                guide.vocab.refused += 1
+                raise RuntimeError(f"the constraint refused the target's own pick {t} at position {guide.end}")
         end_of_run = tokens[-1] in stop or position + len(tokens) >= end or (guide is not None and guide.dead)
         drafts, by_lookup = [], False
         if not end_of_run and jump:

@@ -228,6 +228,7 @@ async def serve(args, on_listen=None) -> None:
                                               engine.pool.block_size, metrics.feature_tokens)
         servicer.vocab = await asyncio.to_thread(grammar.vocabulary, tokenizer, info.vocab_size,
                                                  list(info.eos_token_ids))
+        metrics.constraint_refusals.set_function(lambda: getattr(servicer.vocab, "refused", 0))
         # Warm up: a prefill and a multi-token pass, so the first request is not slow.
         seq = engine.new_sequence()
         seq.sync(0, [0, 1, 0, 1])

@@ -246,3 +246,17 @@ def test_a_constraint_sent_again_is_compiled_once_and_its_guides_are_apart(vocab
         vocab.guide(common_pb2.Constraint(regex=f"a{{{i + 1}}}"), 0)
     vocab.guide(constraint, 0)
     assert len(compiles) == 2 + grammar.COMPILED_CACHE
+
+
+def test_a_matcher_behind_its_history_fails_it_and_counts_never_repairs(vocab, smol_tokenizer):
+    """Guide._replay rebuilt a matcher that refused a token of the history it followed and
+    went on with a warning: the token had been picked under the refusing state, so the
+    output may already have differed from the target alone's. Now the sync fails (the
+    request with it) and the vocabulary counts it (a verifier metric)."""
+    guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps(SCHEMA)), 0)
+    answer = ids(smol_tokenizer, '{"name": "Ada", "age": 36}')
+    assert guide.sync(answer[:3])
+    guide.matcher.consume_token(answer[3])  # the matcher moved on behind the guide's back (a race)
+    before = vocab.refused
+    assert not guide.sync(answer)
+    assert vocab.refused == before + 1
