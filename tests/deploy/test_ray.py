@@ -14,10 +14,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster import Stream, cases, generate, pb, reference  # noqa: E402
+from cluster import QUANTIZE, Stream, cases, generate, pb, reference  # noqa: E402
 from deploy.launch import free_port  # noqa: E402
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc  # noqa: E402
 
+# The numerics the references run with (the services' own default is `auto`).
+NUMERICS = dict(verifier_flags=["--quantize", QUANTIZE], drafter_flags=["--quantize", QUANTIZE])
 PROMPTS = ["The river", "Once there was a robot", "def sort(items):", "Monday, Tuesday,", "Dear friend,"]
 
 
@@ -31,7 +33,7 @@ def deployment(tiny_pair):
     target_dir, draft_dir, _ = tiny_pair
     started = time.monotonic()
     d = launcher.up(str(target_dir), str(draft_dir), 1, port=free_port(), admin_port=free_port(),
-                    startup_timeout_s=180)
+                    startup_timeout_s=180, **NUMERICS)
     print(f"launched on Ray in {time.monotonic() - started:.1f} s")
     yield d
     d.down()
@@ -305,7 +307,8 @@ def test_autoscaler_grows_and_shrinks_the_pool(deployment, tiny_pair, expected):
     # The model proposer: every round asks the drafter (lookup rounds, which the orchestrator
     # drafts itself from the history or from the same request's earlier output, would not).
     scaled = launcher.up(str(target_dir), str(draft_dir), 1, port=free_port(), admin_port=free_port(),
-                         name="autoscaled", drafter_flags=["--proposer", "model"],
+                         name="autoscaled", verifier_flags=NUMERICS["verifier_flags"],
+                         drafter_flags=["--proposer", "model", *NUMERICS["drafter_flags"]],
                          autoscale={"min": 1, "max": 3, "target_sessions": 1, "cooldown_s": 5})
     channel, admin_channel = grpc.insecure_channel(scaled.address), grpc.insecure_channel(scaled.admin_address)
     stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
