@@ -236,9 +236,9 @@ class Guide:
     that end an output, rolled back; vLLM's llguidance backend counts the same way). The
     positions of such ends are `_uncounted`."""
 
-    def __init__(self, vocab: Vocabulary, grammar: str, start: int, matcher: "llguidance.LLMatcher | None" = None):
+    def __init__(self, vocab: Vocabulary, grammar: str, start: int, matcher: "llguidance.LLMatcher"):
         self.vocab, self.grammar, self.start = vocab, grammar, start
-        self.matcher = matcher or llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0, limits=LIMITS)
+        self.matcher = matcher  # its own copy of the compiled one (Vocabulary.guide)
         self.end = start
         self._uncounted: list[int] = []
         self._bits: np.ndarray | None = None  # the packed mask after `end`, once computed
