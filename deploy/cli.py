@@ -207,11 +207,8 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     flags.add(p, "--proposer", env="SPECDEC_PROPOSER", default="hybrid", choices=["model", "hybrid"],
               help="how a model draft drafts: prompt lookup when the context holds a long match and the model "
                    "otherwise (hybrid), or the model alone")
-    flags.add(p, "--quantize", env="SPECDEC_QUANTIZE", default="auto", choices=["auto", "gguf", "int8", "none"],
-              help="CPU numerics, exact against the target alone with the same numerics. gguf: a .gguf model's "
-                   "own blocks (the default target's), activations in 16-bit integers per block of 32; int8: int8 weights and "
-                   "activations; auto: gguf where the model is a .gguf file we multiply, else int8 on a CPU, "
-                   "none on a GPU")
+    flags.add(p, "--quantize", env="SPECDEC_QUANTIZE", default="auto", choices=flags.QUANTIZE,
+              help=flags.QUANTIZE_HELP + " (of both models)")
     flags.add(p, "--device", env="SPECDEC_DEVICE", default=None,
               help="torch device of the verifier (default: cpu; under Ray, cuda when it got a GPU)")
     flags.add(p, "--cuda-graphs", env="SPECDEC_CUDA_GRAPHS", default="off", choices=["off", "on", "compiled"],

@@ -81,7 +81,9 @@ class ModelProposer(Proposer):
         self.max_support, self.output_ids = max_support, output_ids
 
     def info(self) -> common_pb2.ModelInfo:
-        return modeling.model_info(self.model, self.tokenizer, self.name, "model")
+        info = modeling.model_info(self.model, self.tokenizer, self.name, "model")
+        info.numerics = self.engine.numerics  # which path its passes take, as the verifier's says
+        return info
 
     def new_sequence(self) -> PagedSequence:
         return self.engine.new_sequence()

@@ -5,6 +5,16 @@ import os
 import re
 
 
+# How a model computes on a CPU (specdec.quantize; a flag of the services and of `specdec up`).
+QUANTIZE = ("auto", "gguf", "q8_0", "q4_0", "int8", "none")
+QUANTIZE_HELP = ("CPU numerics, exact against the target alone with the same numerics. gguf: a .gguf model's own "
+                 "4- or 8-bit blocks; q8_0, q4_0: any other model's weights quantized at load into those GGUF "
+                 "blocks, the same kernels (a Llama, Mistral, Qwen2 or Qwen3 model's layers in one kernel call); "
+                 "both with activations in 16-bit integers per block of 32. int8: int8 weights and per-row int8 "
+                 "activations in every linear layer. auto: on a CPU, gguf for a .gguf model whose blocks we "
+                 "multiply, q8_0 for other models whose layers take whole blocks of 32, int8 otherwise; none elsewhere")
+
+
 def _parse_bool(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
 
@@ -64,10 +74,7 @@ def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> N
     """Flags of the services that load a model and keep sessions (drafter, verifier)."""
     add(parser, "--dtype", env=f"{prefix}_DTYPE", default="float32", choices=["float32", "float16", "bfloat16"],
         help="weights dtype")
-    add(parser, "--quantize", env=f"{prefix}_QUANTIZE", default="auto", choices=["none", "int8", "gguf", "auto"],
-        help="CPU numerics. gguf: a .gguf model's own 4- or 8-bit blocks, activations in 16-bit integers per block of 32; int8: int8 "
-             "weights and per-row int8 activations in every linear layer; auto: gguf for a .gguf model whose "
-             "blocks we multiply, int8 for other models on a CPU, none elsewhere")
+    add(parser, "--quantize", env=f"{prefix}_QUANTIZE", default="auto", choices=QUANTIZE, help=QUANTIZE_HELP)
     add(parser, "--threads", env=f"{prefix}_THREADS", type=int, default=0,
         help="CPU threads of a forward pass (0: one per core). Services that share cores run faster with "
              "fewer: a pass's threads wait at every operation for the slowest, and a core lent elsewhere stalls it")

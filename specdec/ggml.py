@@ -126,7 +126,7 @@ class RMSNorm(torch.nn.Module):
     """Llama's RMSNorm in one kernel call (specdec/kernels/norm_cpu.cpp) where torch takes
     seven small operations: the same formula, the sum of squares in float64."""
 
-    NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # y = w * (x * rsqrt(mean(x^2) + eps)) all
+    NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # y = w * (x * rsqrt(mean(x^2) + eps)) all
 
     def __init__(self, norm: torch.nn.Module):
         super().__init__()
@@ -177,9 +177,10 @@ def fuse(linears: list[GGUFLinear]) -> GGUFLinear | None:
     """Layers that read the same input as one: their block rows stacked (one kernel call).
     The packed groups of 8 rows stack where every layer but the last fills its groups."""
     if not all(isinstance(m, GGUFLinear) for m in linears) or len({m.kind for m in linears}) > 1 \
-            or any(m.bias is not None for m in linears) or any(m.out_features % 8 for m in linears[:-1]):
+            or len({m.bias is None for m in linears}) > 1 or any(m.out_features % 8 for m in linears[:-1]):
         return None
-    return GGUFLinear(torch.cat([m.packed for m in linears]), linears[0].kind, linears[0].in_features,
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    return GGUFLinear(torch.cat([m.packed for m in linears]), linears[0].kind, linears[0].in_features, bias,
                       rows=sum(m.out_features for m in linears))
 
 
@@ -241,6 +242,49 @@ def supported(path: str | None) -> bool:
     kinds = {int(t.tensor_type) for name, t in tensors.items()
              if (name.startswith("blk.") and len(t.shape) == 2) or name == head}
     return bool(kinds) and kinds <= set(TYPES) and available()
+
+
+def blocks_of_weight(weight: torch.Tensor, kind: int) -> torch.Tensor:
+    """`weight` [rows, cols] (cols a multiple of 32) as `kind` blocks, quantized by gguf's
+    reference code (llama.cpp's): what its converter writes for that type."""
+    from gguf import GGMLQuantizationType, quants
+
+    return torch.from_numpy(quants.quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType(kind)))
+
+
+def quantizable(model) -> list[str]:
+    """The linear layers (output head included) whose inputs are not whole blocks of 32:
+    they cannot be put in blocks (`quantize_blocks`)."""
+    head = model.get_output_embeddings()
+    return [name for name, m in model.named_modules()
+            if (isinstance(m, torch.nn.Linear) or m is head) and m.weight.shape[1] % 32]
+
+
+def quantize_blocks(model, kind: int) -> int:
+    """Puts every linear layer, the output head and the embedding of a float model in
+    `kind` blocks of its own weights (a tied head shares its embedding's); -> how many
+    modules were replaced. ValueError where a layer's inputs are not whole blocks."""
+    if left := quantizable(model):
+        raise ValueError(f"{', '.join(left[:4])}: {TYPES[kind]} blocks take inputs in whole blocks of 32")
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    made, replaced = {}, 0  # made: packed blocks by the weight's storage (tied weights are quantized once)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not (isinstance(child, (torch.nn.Linear, torch.nn.Embedding)) or child is head):
+                continue
+            if isinstance(child, torch.nn.Embedding) and child is not embedding:
+                continue  # an embedding the model reads otherwise (positions, types): left as it is
+            weight = child.weight
+            if (packed := made.get(weight.data_ptr())) is None:
+                packed = made[weight.data_ptr()] = pack(blocks_of_weight(weight, kind), kind)
+            rows, cols = weight.shape
+            if isinstance(child, torch.nn.Embedding):
+                module = GGUFEmbedding(packed, kind, cols, rows)
+            else:
+                module = GGUFLinear(packed, kind, cols, getattr(child, "bias", None), rows=rows)
+            setattr(parent, name, module)
+            replaced += 1
+    return replaced
 
 
 def load_blocks(model, path: str) -> int:

@@ -237,7 +237,14 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def max_positions(model) -> int:
-    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+    """The longest history a session may hold. Mistral attends within a sliding window on
+    every layer, which the engine's attention does not cut: sessions end at the window,
+    where its output is still exactly the model's."""
+    config = model.config
+    longest = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
+        longest = min(longest, int(config.sliding_window))
+    return longest
 
 
 def model_info(model, tokenizer, name: str, kind: str):

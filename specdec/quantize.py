@@ -37,13 +37,17 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specdec import ggml
+from specdec import flags, ggml
 
 log = logging.getLogger(__name__)
 
-# auto: on a CPU, a GGUF file's own blocks where it holds its layers in types we multiply
-# (specdec.ggml), int8 otherwise; none elsewhere
-METHODS = ("none", "int8", "gguf", "auto")
+# q8_0, q4_0: any other model's weights quantized at load into those GGUF block types,
+# multiplied by the same kernels (and a Llama-family model run by the same layer stack) as
+# a GGUF file's. auto: on a CPU, a GGUF file's own blocks where it holds its layers in
+# types we multiply (specdec.ggml), q8_0 for any other model whose layers take whole
+# blocks, int8 where the kernels cannot be built; none elsewhere
+BLOCKS = {"q8_0": ggml.Q8_0, "q4_0": ggml.Q4_0}
+METHODS = flags.QUANTIZE
 FLOAT64_ATTENTION = "specdec_float64_sdpa"
 
 
@@ -60,7 +64,7 @@ AttentionInterface.register(FLOAT64_ATTENTION, float64_attention)
 
 
 def method_of(model) -> str:
-    """What `quantize` did to the model: none, int8 or gguf."""
+    """What `quantize` did to the model: none, int8, gguf, q8_0 or q4_0."""
     return getattr(model.config, "specdec_quantize", "none")
 
 
@@ -227,6 +231,15 @@ def _share_inputs(parent: torch.nn.Module, fuse) -> None:
             setattr(parent, name, _Part(shared, i))
 
 
+def _auto(model, source: str | None) -> str:
+    if ggml.supported(source):
+        return "gguf"
+    if ggml.quantizable(model):
+        log.info("int8: %s take inputs that are not whole blocks of 32", ", ".join(ggml.quantizable(model)[:3]))
+        return "int8"
+    return "q8_0" if ggml.available() else "int8"
+
+
 def quantize(model, method: str):
     """Quantizes `model` in place (method "none" leaves it); returns it. Call it after any
     change to the output head (the drafter's cut to its vocabulary): the head is
@@ -235,23 +248,24 @@ def quantize(model, method: str):
         raise ValueError(f"quantize must be one of {', '.join(METHODS)}, got {method!r}")
     source = getattr(model.config, "specdec_gguf", None)  # the .gguf file it was loaded from (specdec.modeling)
     if method == "auto":
-        method = "none" if model.device.type != "cpu" else "gguf" if ggml.supported(source) else "int8"
+        method = "none" if model.device.type != "cpu" else _auto(model, source)
     if method == "none":
         return model
     if model.device.type != "cpu":
         raise ValueError(f"--quantize {method} is the CPU path; the model is on {model.device} "
                          "(use --dtype bfloat16 there)")
-    if method == "gguf":
-        if not source:
+    if method == "gguf" or method in BLOCKS:
+        if method == "gguf" and not source:
             raise ValueError("--quantize gguf keeps a GGUF file's blocks: the model was not loaded from a .gguf file")
-        replaced = ggml.load_blocks(model, source)
+        replaced = ggml.load_blocks(model, source) if method == "gguf" else ggml.quantize_blocks(model, BLOCKS[method])
         for parent in list(model.modules()):
             _share_inputs(parent, ggml.fuse)
         norms = ggml.replace_norms(model)
         ggml.replace_activations(model)
         held = ggml.arrange(model)
-        log.info("%d layers run on the GGUF file's own blocks (%.0f MB, on huge pages where the system gives "
-                 "them), %d norms in one kernel each", replaced, held / 1e6, norms)
+        log.info("%d layers run on %s (%.0f MB, on huge pages where the system gives them), %d norms in one "
+                 "kernel each", replaced, "the GGUF file's own blocks" if method == "gguf" else
+                 f"{method.upper()} blocks quantized at load", held / 1e6, norms)
     else:
         head = model.get_output_embeddings()
         for parent in list(model.modules()):

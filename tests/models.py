@@ -27,10 +27,40 @@ def build_llama(tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: i
     return model
 
 
-def noisy_copy(model: LlamaForCausalLM, tokenizer, path: Path, *, noise: float, seed: int) -> LlamaForCausalLM:
+# Families the CPU's layer kernel runs (specdec.engine.model_runner._llama_like), each with
+# what it differs by switched on: Qwen2's q/k/v biases, Qwen3's head norms (and a tied head).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def build_family(family: str, tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: int = 2,
+                 init_range: float = 0.1, eos_token_id: int | None = 2, **config):
+    """A random model of `family` (a transformers model_type) of a small real shape; its
+    biases and head norms drawn away from their initial 0 and 1, so that they count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                 max_position_embeddings=4096, tie_word_embeddings=family == "qwen3", initializer_range=init_range,
+                 bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
+    if family == "mistral":
+        shape["sliding_window"] = None
+    config = AutoConfig.for_model(family, **{**shape, **config})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "q_norm.weight", "k_norm.weight")):
+                p.add_(torch.randn_like(p) * (0.05 if name.endswith("bias") else 0.3))
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = eos_token_id
+    save(model, tokenizer, path)
+    return model
+
+
+def noisy_copy(model, tokenizer, path: Path, *, noise: float, seed: int):
     """The draft: every weight plus Gaussian noise of `noise` times that weight's spread."""
     torch.manual_seed(seed)
-    draft = LlamaForCausalLM(model.config).eval()
+    draft = type(model)(model.config).eval()
     draft.load_state_dict(model.state_dict())
     draft.generation_config = model.generation_config
     with torch.no_grad():

@@ -43,7 +43,8 @@ class ModelRunner:
             elif self.static.capture:
                 self.static.capture_all()
         self.kernel = _cpu_attention(model, self.attention_dtype)
-        self.forward = _llama_forward if _is_llama(model) else _transformers_forward
+        llama = _llama_like(model) if model.device.type == "cpu" else _is_llama(model)
+        self.forward = _llama_forward if llama else _transformers_forward
         if self.forward is _llama_forward and self.kernel is not None and (stacks := _LayerStacks.of(model)):
             self.forward = functools.partial(_layer_kernel_forward, stacks)
 
@@ -375,10 +376,29 @@ def _transformers_forward(model, ids, positions, keep, plan: Plan) -> torch.Tens
 
 
 def _is_llama(model) -> bool:
+    """Llama itself: the family the GPU's fused launches and static passes have run on CUDA."""
     from transformers.models.llama import modeling_llama
 
     return (type(model) is modeling_llama.LlamaForCausalLM
             and all(type(layer) is modeling_llama.LlamaDecoderLayer for layer in model.model.layers))
+
+
+def _llama_like(model) -> bool:
+    """A model whose layers compute as Llama's but for what _llama_forward takes from its
+    modules: Mistral (within its window: specdec.modeling.max_positions), Qwen2 (biases on
+    q, k and v), Qwen3 (a norm on each q and k head). Sliding-window layers of Qwen are
+    refused at load (specdec.engine.attention.check_supported)."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+
+    families = {modeling_llama.LlamaForCausalLM: modeling_llama.LlamaDecoderLayer,
+                modeling_mistral.MistralForCausalLM: modeling_mistral.MistralDecoderLayer,
+                modeling_qwen2.Qwen2ForCausalLM: modeling_qwen2.Qwen2DecoderLayer,
+                modeling_qwen3.Qwen3ForCausalLM: modeling_qwen3.Qwen3DecoderLayer}
+    layer = families.get(type(model))
+    return layer is not None and all(type(m) is layer for m in model.model.layers)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -427,12 +447,12 @@ def rotary(model, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torc
 
 
 def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
-    """LlamaForCausalLM's forward: its modules, and its operations on each element in its
-    order (the same logits to the bit), without the plumbing around them (output
-    capture, masks, cache, attention dispatch): on a CPU, a one-token step of the default
-    target spent more time in that than in its arithmetic. Where q, k and v (gate and
-    up) are one product (specdec.quantize), it is taken once, and q and k turn in one
-    rotary operation."""
+    """LlamaForCausalLM's forward (and its family's, `_llama_like`): its modules, and its
+    operations on each element in its order (the same logits to the bit), without the
+    plumbing around them (output capture, masks, cache, attention dispatch): on a CPU, a
+    one-token step of the default target spent more time in that than in its arithmetic.
+    Where q, k and v (gate and up) are one product (specdec.quantize), it is taken once,
+    and q and k turn in one rotary operation."""
     inner = model.model
     h = inner.embed_tokens(ids)  # [1, T, hidden]
     cos, sin = rotary(model, positions, plan.end)
@@ -449,13 +469,19 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
         if shared is not None:
             qkv = shared.linear(x)
             (_, q_end), (_, k_end), _ = shared.columns
-            qk = qkv[..., :k_end].view(shape).transpose(1, 2)  # [1, heads + kv_heads, T, head_dim]
+            qk = qkv[..., :k_end].view(shape)  # [1, T, heads + kv_heads, head_dim]
+            if getattr(attn, "q_norm", None) is not None:  # Qwen3: each head normed before it turns
+                heads = q_end // attn.head_dim
+                qk = torch.cat([attn.q_norm(qk[..., :heads, :]), attn.k_norm(qk[..., heads:, :])], dim=-2)
+            qk = qk.transpose(1, 2)
             qk = (qk * cos) + (_rotate_half(qk) * sin)
             q, k = qk[:, :q_end // attn.head_dim], qk[:, q_end // attn.head_dim:]
             v = qkv[..., k_end:].view(shape).transpose(1, 2)
         else:
-            q = attn.q_proj(x).view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
-            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+            if getattr(attn, "q_norm", None) is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, heads, T, head_dim]
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
@@ -496,34 +522,44 @@ class _LayerStacks:
 
 def _layer_stack(model, start: int = 0, end: int | None = None):
     """specdec/kernels/layer_cpu.cpp's `LlamaStack` over the decoder layers [start, end)
-    of a Llama model on GGUF blocks (q, k and v as one product; gate and up as one; the
-    norms in their kernel; silu), or None where a layer is otherwise: _llama_forward runs it."""
+    of a Llama-family model (`_llama_like`) on GGUF blocks (q, k and v as one product, with
+    or without biases; gate and up as one; the norms in their kernel; silu), or None where
+    a layer is otherwise: _llama_forward runs it."""
     from specdec import ggml
     from specdec.kernels import cpu
 
-    config, layers, norms, weights, kinds = model.config, model.model.layers[start:end], [], [], []
+    config, layers = model.config, model.model.layers[start:end]
+    norms, weights, kinds, biases, head_norms = [], [], [], [], []
     if getattr(config, "hidden_act", None) != "silu":
         return None
     first = layers[0]
+    eps = first.input_layernorm.variance_epsilon
+
+    def kernel_norm(n) -> bool:
+        return isinstance(n, ggml.RMSNorm) and n.weight.dtype == torch.float32 and n.variance_epsilon == eps
+
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = getattr(attn, "shared_q_k_v", None), getattr(mlp, "shared_gate_up", None)
         linears = [qkv and qkv.linear, attn.o_proj, gate_up and gate_up.linear, mlp.down_proj]
         pair = [layer.input_layernorm, layer.post_attention_layernorm]
-        if not all(isinstance(m, ggml.GGUFLinear) and m.bias is None for m in linears) \
-                or not all(isinstance(n, ggml.RMSNorm) and n.weight.dtype == torch.float32 for n in pair) \
-                or {n.variance_epsilon for n in pair} != {first.input_layernorm.variance_epsilon} \
+        per_head = [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
+        if not all(isinstance(m, ggml.GGUFLinear) for m in linears) or any(m.bias is not None for m in linears[1:]) \
+                or not all(kernel_norm(n) for n in pair + per_head) \
                 or attn.scaling != first.self_attn.scaling or qkv.columns != first.self_attn.shared_q_k_v.columns:
             return None
         norms += [n.weight for n in pair]
         weights += [m.packed for m in linears]
         kinds += [m.kind for m in linears]
+        biases += [] if linears[0].bias is None else [linears[0].bias]
+        head_norms += [n.weight for n in per_head]
+    if len(biases) not in (0, len(layers)) or len(head_norms) not in (0, 2 * len(layers)):
+        return None  # layers that differ: the Python pass takes each as it is
     *_, (v_start, v_end) = first.self_attn.shared_q_k_v.columns
     head_dim = first.self_attn.head_dim
     sizes = [config.hidden_size, config.num_attention_heads, (v_end - v_start) // head_dim, head_dim,
              first.mlp.down_proj.in_features]
-    return cpu().LlamaStack(norms, weights, kinds, sizes, first.input_layernorm.variance_epsilon,
-                            first.self_attn.scaling)
+    return cpu().LlamaStack(norms, weights, kinds, sizes, eps, first.self_attn.scaling, biases, head_norms)
 
 
 def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, plan: Plan) -> torch.Tensor:

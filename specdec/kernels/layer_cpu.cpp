@@ -1,4 +1,6 @@
-// A Llama model's decoder layers on GGUF blocks, a whole pass of them in one call.
+// A Llama-family model's decoder layers on GGUF blocks, a whole pass of them in one call:
+// Llama and Mistral as they are, Qwen2's q, k and v biases, Qwen3's norms of each q and k
+// head.
 //
 // Why one call: the engine's pass of the default target ran some 25 small torch operations
 // a layer from Python (views, rotary embedding, cache writes, residual adds, the
@@ -52,14 +54,15 @@ inline void add_into(float* h, const float* y, int64_t n) {
 class LlamaStack {
  public:
   LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-             std::vector<int64_t> sizes, double eps, double scale);
+             std::vector<int64_t> sizes, double eps, double scale, std::vector<torch::Tensor> biases,
+             std::vector<torch::Tensor> head_norms);
   std::optional<torch::Tensor> forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                                        std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
                                        torch::Tensor write_slots, torch::Tensor slots, torch::Tensor rows,
                                        torch::Tensor lengths, torch::Tensor stop) const;
 
  private:
-  std::vector<torch::Tensor> norms_, weights_;
+  std::vector<torch::Tensor> norms_, weights_, biases_, head_norms_;
   std::vector<int64_t> types_;
   double eps_, scale_;
   int64_t layers_, hidden_, heads_, kv_heads_, d_, inter_;
@@ -67,10 +70,13 @@ class LlamaStack {
 
 // norms: 2 a layer {input, post-attention} weights; weights: 4 a layer, the packed blocks of
 // {q|k|v, o, gate|up, down}, with their types; sizes: {hidden, heads, kv_heads, head_dim,
-// intermediate}.
+// intermediate}; biases: none, or the q|k|v product's bias of each layer; head_norms:
+// none, or 2 a layer {q, k}, each [head_dim], taken by every head.
 LlamaStack::LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights,
-                       std::vector<int64_t> types, std::vector<int64_t> sizes, double eps, double scale)
-    : norms_(std::move(norms)), weights_(std::move(weights)), types_(std::move(types)), eps_(eps), scale_(scale) {
+                       std::vector<int64_t> types, std::vector<int64_t> sizes, double eps, double scale,
+                       std::vector<torch::Tensor> biases, std::vector<torch::Tensor> head_norms)
+    : norms_(std::move(norms)), weights_(std::move(weights)), biases_(std::move(biases)),
+      head_norms_(std::move(head_norms)), types_(std::move(types)), eps_(eps), scale_(scale) {
   TORCH_CHECK(sizes.size() == 5, "sizes: hidden, heads, kv_heads, head_dim, intermediate");
   hidden_ = sizes[0], heads_ = sizes[1], kv_heads_ = sizes[2], d_ = sizes[3], inter_ = sizes[4];
   layers_ = static_cast<int64_t>(weights_.size()) / 4;
@@ -87,6 +93,17 @@ LlamaStack::LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tens
       n = n.contiguous();
     }
     for (int i = 0; i < 4; ++i) check_packed(weights_[4 * l + i], types_[4 * l + i], in[i], out[i]);
+  }
+  TORCH_CHECK(biases_.empty() || static_cast<int64_t>(biases_.size()) == layers_, "no biases, or one a layer");
+  for (torch::Tensor& b : biases_) {
+    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == qkv, "a bias is [q|k|v columns] float32");
+    b = b.contiguous();
+  }
+  TORCH_CHECK(head_norms_.empty() || static_cast<int64_t>(head_norms_.size()) == 2 * layers_,
+              "no head norms, or 2 a layer");
+  for (torch::Tensor& n : head_norms_) {
+    TORCH_CHECK(n.scalar_type() == torch::kFloat32 && n.numel() == d_, "a head norm's weight is [head_dim] float32");
+    n = n.contiguous();
   }
 }
 
@@ -151,6 +168,18 @@ std::optional<torch::Tensor> LlamaStack::forward(torch::Tensor h, torch::Tensor 
     // Attention: q, k and v in one product; q and k turned; k and v into the pool.
     rms_norm_rows(hp, norms_[2 * l].data_ptr<float>(), hidden_, T, eps_, xp);
     product(l, 0, xp, T, hidden_, qkv_cols, qkvp);
+    if (!biases_.empty()) {
+      const float* b = biases_[l].data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) add_into(qkvp + t * qkv_cols, b, qkv_cols);
+    }
+    if (!head_norms_.empty()) {  // in place: the norm reads each value before it writes it
+      const float *qn = head_norms_[2 * l].data_ptr<float>(), *kn = head_norms_[2 * l + 1].data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) {
+        float* row = qkvp + t * qkv_cols;
+        rms_norm_rows(row, qn, d, heads_, eps_, row);
+        rms_norm_rows(row + q_cols, kn, d, kv_heads_, eps_, row + q_cols);
+      }
+    }
     for (int64_t t = 0; t < T; ++t) {
       const float* row = qkvp + t * qkv_cols;
       const float *c = cp + t * d, *s = sp + t * d;
@@ -179,11 +208,13 @@ std::optional<torch::Tensor> LlamaStack::forward(torch::Tensor h, torch::Tensor 
 }
 
 void define_llama_stack(pybind11::module_& m) {
-  pybind11::class_<LlamaStack>(m, "LlamaStack", "a Llama model's decoder layers on GGUF blocks (layer_cpu.cpp)")
+  pybind11::class_<LlamaStack>(m, "LlamaStack", "a Llama-family model's decoder layers on GGUF blocks (layer_cpu.cpp)")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
-                          std::vector<int64_t>, double, double>(),
+                          std::vector<int64_t>, double, double, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>>(),
            pybind11::arg("norms"), pybind11::arg("weights"), pybind11::arg("types"), pybind11::arg("sizes"),
-           pybind11::arg("eps"), pybind11::arg("scale"))
+           pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("biases") = std::vector<torch::Tensor>(),
+           pybind11::arg("head_norms") = std::vector<torch::Tensor>())
       .def("forward", &LlamaStack::forward, "a pass through every layer; None where stop was set",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,0 +1,145 @@
+"""Models brought from transformers on the CPU's fast path (`--quantize q8_0`, the default
+for them; `q4_0` on request): their weights quantized at load into GGUF blocks, the
+decoder layers of each Llama-family model in one kernel call. For a random model of each
+family (tests/models.py, FAMILIES): the blocks are gguf's reference quantization, the
+kernel's pass gives the Python pass's bits, rounds through the engine give the quantized
+model's own `generate`, and a prompt in chunks gives one-token steps' bits, at more
+threads than this machine has cores."""
+
+import pytest
+import torch
+
+from models import FAMILIES, build_family
+from passes import logits_by_forward
+from specdec import ggml, modeling, quantize
+from specdec.engine import Engine, model_runner
+
+THREADS = 5  # more than this machine's cores: the split between threads is what could change a row
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory, smol_tokenizer):
+    path = tmp_path_factory.mktemp(request.param)
+    build_family(request.param, smol_tokenizer, path, seed=3)
+    return request.param, path
+
+
+def load(path, method="auto"):
+    model, tokenizer = modeling.load_model(str(path))
+    return quantize.quantize(model, method), tokenizer
+
+
+@pytest.mark.parametrize("method", ["auto", "q4_0"])
+def test_a_checkpoint_of_each_family_runs_its_layers_in_the_kernel(family_dir, method):
+    family, path = family_dir
+    model, _ = load(path, method)
+    assert quantize.method_of(model) == ("q8_0" if method == "auto" else method)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    if family == "qwen3":  # tied: the head multiplies the embedding's blocks
+        assert model.lm_head.packed.data_ptr() == model.model.embed_tokens.packed.data_ptr()
+    engine = Engine(model, 16 << 20)
+    try:
+        assert engine.numerics == f"{quantize.method_of(model)}/float32/cpu/layer-kernel"
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("kind", [ggml.Q8_0, ggml.Q4_0])
+def test_blocks_quantized_at_load_are_ggufs_reference_quantization(kind):
+    from gguf import GGMLQuantizationType, quants
+
+    torch.manual_seed(kind)
+    weight = torch.randn(24, 96) * torch.logspace(-3, 1, 24)[:, None]
+    weight[5] = 0  # a row of zeros: scale 0
+    blocks = ggml.blocks_of_weight(weight, kind)
+    assert torch.equal(blocks, torch.from_numpy(quants.quantize(weight.numpy(), GGMLQuantizationType(kind))))
+    held = ggml._kernels().dequantize(ggml.pack(blocks, kind), kind, 24, torch.arange(24))
+    # Each weight within half a step of its block (Q8_0: the block's largest / 127; Q4_0:
+    # / 8, and a whole step on the side opposite the largest, whose last level is 7, not 8),
+    # plus the step's rounding to float16 (2^-11 of it, 2^-24 below float16's normal range)
+    # times the largest quant.
+    top, off = (127, 0.5) if kind == ggml.Q8_0 else (8, 1.0)
+    step = weight.reshape(24, -1, 32).abs().amax(-1).repeat_interleave(32, -1) / top
+    assert ((held - weight).abs() <= step * (off + top * 2 ** -11) + top * 2 ** -24).all()
+    assert torch.equal(held[5], torch.zeros(96))
+
+
+def test_a_layer_whose_inputs_are_not_whole_blocks_is_refused_by_name_and_auto_takes_int8(tmp_path, smol_tokenizer):
+    build_family("llama", smol_tokenizer, tmp_path, seed=1, hidden=48)  # 48 = 1.5 blocks
+    model, _ = modeling.load_model(str(tmp_path))
+    with pytest.raises(ValueError, match="q_proj.*whole blocks of 32"):
+        quantize.quantize(model, "q8_0")
+    assert quantize.method_of(quantize.quantize(model, "auto")) == "int8"
+
+
+def test_the_layer_kernel_gives_the_python_pass_bits(family_dir, smol_tokenizer):
+    model, tokenizer = load(family_dir[1])
+    engine = Engine(model, 16 << 20, threads=THREADS)
+    try:
+        kernel_forward = engine.runner.forward
+        assert kernel_forward.func is model_runner._layer_kernel_forward
+        seqs = [engine.new_sequence() for _ in range(3)]
+        for seq, text in zip(seqs, ["Water boils at", "The capital of France is Paris, and of Spain",
+                                    "def fibonacci(n):\n    if n < 2:\n        return n\n"]):
+            seq.sync(0, tokenizer(text)["input_ids"])
+        kernel, python = logits_by_forward(engine, seqs, (kernel_forward, model_runner._llama_forward))
+        for ours, theirs in zip(kernel, python):
+            assert torch.equal(ours, theirs)
+    finally:
+        engine.stop()
+
+
+def test_rounds_through_the_engine_give_the_models_own_generate(family_dir):
+    """Verify passes of 4 of its own tokens, at more threads than cores, against the same
+    quantized model's transformers `generate`."""
+    model, tokenizer = load(family_dir[1])
+    texts = ["The history of the printing press begins in the fifteenth century, when",
+             "Photosynthesis is the process by which plants"]
+    with torch.no_grad():
+        wants = {}
+        for text in texts:
+            ids = tokenizer(text)["input_ids"]
+            wants[text] = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
+                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0].tolist()
+    assert len({t for text in texts for t in wants[text][-40:]}) > 16  # a degenerate model proves nothing
+    engine = Engine(model, 16 << 20, threads=THREADS)
+    try:
+        for text, want in wants.items():
+            ids = tokenizer(text)["input_ids"]
+            seq = engine.new_sequence()
+            seq.sync(0, ids)
+            got = engine.forward_now(seq, 1)[0].argmax(-1).tolist()
+            for pos in range(len(ids), len(want) - 4, 4):
+                seq.sync(pos, want[pos:pos + 4])
+                got += engine.forward_now(seq, 4)[0].argmax(-1).tolist()
+            engine.release(seq)
+            assert got == want[len(ids):len(ids) + len(got)], text
+    finally:
+        engine.stop()
+
+
+def test_a_prompt_in_chunks_gives_one_token_steps_bits(family_dir):
+    model, _ = load(family_dir[1])
+    ids = torch.randint(0, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def prefill(chunk, threads):
+        engine = Engine(model, 16 << 20, threads=threads, max_batch_tokens=chunk, prefix_caching=False)
+        try:
+            seq = engine.new_sequence()
+            seq.sync(0, ids)
+            logits, _ = engine.forward_now(seq, len(ids))
+            slots = seq.slots(len(ids), engine.pool.block_size, "cpu")
+            return logits, torch.stack([k[slots] for k in engine.pool.k])
+        finally:
+            engine.stop()
+
+    want = prefill(1, 1)
+    for chunk in (96, 37, 5):
+        got = prefill(chunk, THREADS)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), chunk
+
+
+def test_mistral_sessions_end_at_its_sliding_window(tmp_path, smol_tokenizer):
+    build_family("mistral", smol_tokenizer, tmp_path, seed=1, sliding_window=512)
+    model, _ = modeling.load_model(str(tmp_path))
+    assert modeling.max_positions(model) == 512
