@@ -15,6 +15,7 @@ BENCHMARKS = {
     "structured": ("structured", "JSON against a schema: the defaults against K = 0 under the same constraint"),
     "prefix": ("prefix", "shared prompt prefixes over verifier replicas: prefix routing against round-robin"),
     "engine": ("engine", "the batching engine alone: pass costs, batch invariance, prefix caching, llama-bench"),
+    "paths": ("paths", "each model's path through the CPU engine: checkpoints of each family against the GGUF target"),
     "wire": ("wire", "a round's calls: unary calls against bidirectional streams, on loopback"),
     "fidelity": ("fidelity", "each numerics against the published model (float32 de-quantized)"),
 }
