@@ -69,10 +69,15 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
                     proposer = self.proposer.by_model() if request.model_drafts else self.proposer
                     if proposer is None:
                         return  # no model to draft with
-                    # Closed before the session is let go, wherever the stream stops.
+                    response = drafter_pb2.ProposeResponse()
+                    # Closed before the session is let go, wherever the call stops.
                     async with contextlib.aclosing(proposer.propose(seq, k, request.sampling)) as drafts:
                         async for token, q in drafts:
-                            yield drafter_pb2.ProposeResponse(token_id=token, q=q)
+                            response.token_ids.append(token)
+                            if q is not None:
+                                response.qs.append(q)
+                if response.token_ids:  # the session is let go first: the next call needn't wait for the send
+                    yield response
         except ServiceError as err:
             await abort(context, err)
 

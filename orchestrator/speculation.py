@@ -419,11 +419,10 @@ class DrafterLink:
                 num_draft_tokens=k, sampling=self.params, model_drafts=True, features=features)
             drafts, qs = [], []
             try:
-                async for draft in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s),
-                                                             metadata=self.metadata + tracing.headers()):
-                    drafts.append(draft.token_id)
-                    if draft.HasField("q"):
-                        qs.append(draft.q)
+                async for run in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s),
+                                                           metadata=self.metadata + tracing.headers()):
+                    drafts.extend(run.token_ids)
+                    qs.extend(run.qs)
             except grpc.aio.AioRpcError as err:
                 if needs_resync(err.code(), err.details()) and self.synced > 0:
                     log.info("[%s] drafter resync: %s", self.session_id, err.details())

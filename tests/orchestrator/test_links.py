@@ -11,6 +11,7 @@ import pytest
 from orchestrator.pool import DrafterPool
 from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink
 from specdec.common.v1 import common_pb2
+from specdec.drafter.v1 import drafter_pb2
 from specdec.errors import RESYNC_DETAIL
 from specdec.verifier.v1 import verifier_pb2
 
@@ -114,8 +115,7 @@ class FakeDrafter:
         async def stream():
             if failure is not None:
                 raise failure
-            for token in range(request.num_draft_tokens):
-                yield type("Draft", (), {"token_id": token, "HasField": lambda self, name: False})()
+            yield drafter_pb2.ProposeResponse(token_ids=range(request.num_draft_tokens))
 
         return stream()
 

@@ -26,12 +26,12 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_drafts: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_id", "q")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    Q_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    q: _common_pb2.SparseDistribution
-    def __init__(self, token_id: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.SparseDistribution, _Mapping]] = ...) -> None: ...
+    __slots__ = ("token_ids", "qs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    QS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    qs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., qs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
