@@ -60,6 +60,7 @@ class Service:
     argv: list[str]
     process: subprocess.Popen | None = None
     nice: int = 0  # started at this much lower CPU priority (see `plan`)
+    cpus: tuple[int, ...] | None = None  # the cores it may run on (None: any)
     admin_port: int | None = None  # the orchestrator's admin service
     credentials: grpc.ChannelCredentials | None = None  # how a client reaches it (None: plaintext)
     metrics_port: int | None = None  # its Prometheus /metrics
@@ -150,12 +151,22 @@ def wait_serving(services: list[Service], timeout_s: float) -> None:
         time.sleep(0.3)
 
 
+def _placed(nice: int, cpus: tuple[int, ...] | None) -> None:
+    """In a service's process before it runs: its priority and its cores."""
+    if nice:
+        os.nice(nice)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
 def start(services: list[Service], env: dict | None = None, log=None) -> None:
     """log: a file the services write their output to (None: this process's terminal)."""
     for service in services:
+        placed = service.nice or service.cpus is not None
         service.process = subprocess.Popen(service.argv, env=env or os.environ.copy(), stdout=log,
                                            stderr=subprocess.STDOUT if log else None,
-                                           preexec_fn=functools.partial(os.nice, service.nice) if service.nice else None)
+                                           preexec_fn=functools.partial(_placed, service.nice, service.cpus)
+                                           if placed else None)
 
 
 def stop(services: list[Service], grace_s: float = 10.0) -> None:

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "prefix": ("prefix", "shared prompt prefixes over verifier replicas: prefix routing against round-robin"),
     "engine": ("engine", "the batching engine alone: pass costs, batch invariance, prefix caching, llama-bench"),
     "paths": ("paths", "each model's path through the CPU engine: checkpoints of each family against the GGUF target"),
+    "split": ("split", "the drafter on cores of its own beside the shared deployment: the defaults against K = 0"),
     "wire": ("wire", "a round's calls: unary calls against bidirectional streams, on loopback"),
     "fidelity": ("fidelity", "each numerics against the published model (float32 de-quantized)"),
 }

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from deploy import launch
-from specdec import modeling
+from specdec import flags, modeling
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 DATA = Path(__file__).parent
@@ -38,7 +38,7 @@ def model_flags(parser: argparse.ArgumentParser, out: str, quantize: bool = True
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
     if quantize:
-        parser.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int8", "none"],
+        parser.add_argument("--quantize", default="auto", choices=flags.QUANTIZE,
                             help="numerics of every model (auto: as specdec up)")
     if verbose:
         parser.add_argument("--verbose", action="store_true", help="the services' logs on this terminal")
