@@ -6,13 +6,14 @@ import re
 
 
 # How a model computes on a CPU (specdec.quantize; a flag of the services and of `specdec up`).
-QUANTIZE = ("auto", "gguf", "q8_0", "q4_0", "int8", "none")
+QUANTIZE = ("auto", "gguf", "q8_m", "q8_0", "q4_0", "int8", "none")
 QUANTIZE_HELP = ("CPU numerics, exact against the target alone with the same numerics. gguf: a .gguf model's own "
-                 "4- or 8-bit blocks; q8_0, q4_0: any other model's weights quantized at load into those GGUF "
-                 "blocks, the same kernels (a Llama, Mistral, Qwen2 or Qwen3 model's layers in one kernel call); "
-                 "both with activations in 16-bit integers per block of 32. int8: int8 weights and per-row int8 "
-                 "activations in every linear layer. auto: on a CPU, gguf for a .gguf model whose blocks we "
-                 "multiply, q8_0 for other models whose layers take whole blocks of 32, int8 otherwise; none elsewhere")
+                 "4- or 8-bit blocks; q8_m (8-bit with a scale and a minimum per block), q8_0, q4_0 (GGUF's types): "
+                 "any other model's weights quantized at load into those blocks, the same kernels (a Llama, "
+                 "Mistral, Qwen2 or Qwen3 model's layers in one kernel call); both with activations in 16-bit "
+                 "integers per block of 32. int8: int8 weights and per-row int8 activations in every linear layer. "
+                 "auto: on a CPU, gguf for a .gguf model whose blocks we multiply, q8_m for other models whose "
+                 "layers take whole blocks of 32, int8 otherwise; none elsewhere")
 
 
 def _parse_bool(text: str) -> bool:

@@ -25,7 +25,8 @@ import torch
 log = logging.getLogger(__name__)
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids
-TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+Q8_M = 100  # ours, in no file: Q4_1's form with 8-bit integers (`q8_m_blocks`)
+TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q8_M: "Q8_M"}
 
 
 def _kernels():
@@ -244,12 +245,46 @@ def supported(path: str | None) -> bool:
     return bool(kinds) and kinds <= set(TYPES) and available()
 
 
+def q8_m_blocks(weight: np.ndarray) -> np.ndarray:
+    """`weight` [rows, cols] float32 as Q8_M blocks [rows, cols / 32 * 36] uint8: per block
+    of 32, a scale d and a minimum m (float16 each), then 32 bytes q, weight = q * d + m:
+    Q4_1's form with 256 levels. Each block takes whichever of two grids holds its weights
+    the closer (least squares): its range in 255 steps from its least value (as gguf's
+    reference quantizer takes Q4_1's d and m), or Q8_0's steps (its largest magnitude /
+    127) from a whole number of them below its least value. The first is as fine as Q8_0
+    for a block centred on 0 and up to twice as fine for one that leans to a side, and a
+    block de-quantized from Q4_1 (a GGUF file's) keeps its 16 levels on it but for d's
+    rounding to float16; the second keeps a block de-quantized from Q8_0 (a GGUF file's
+    embedding) on its levels but for m's rounding
+    (docs/benchmarks.md#checkpoints-on-the-fast-path)."""
+    blocks = weight.reshape(-1, 32).astype(np.float32)
+    lo, hi = blocks.min(axis=1, keepdims=True), blocks.max(axis=1, keepdims=True)
+    spans = lo.astype(np.float16), ((hi - lo.astype(np.float16).astype(np.float32)) / 255).astype(np.float16)
+    step = (np.maximum(-lo, hi) / 127).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        below = np.where(step > 0, np.rint(lo / step.astype(np.float32)), 0)
+        grids = [spans, ((below * step.astype(np.float32)).astype(np.float16), step)]
+        made = []
+        for m, d in grids:
+            m32, d32 = m.astype(np.float32), d.astype(np.float32)
+            q = np.clip(np.where(d32 > 0, np.rint((blocks - m32) / d32), 0), 0, 255)
+            error = (((q * d32 + m32) - blocks).astype(np.float64) ** 2).sum(axis=1, keepdims=True)
+            made.append((error, m, d, q.astype(np.uint8)))
+    (error_a, m, d, q), (error_b, m_b, d_b, q_b) = made
+    second = error_b < error_a
+    m, d, q = np.where(second, m_b, m), np.where(second, d_b, d), np.where(second, q_b, q)
+    out = np.concatenate([d.view(np.uint8), m.view(np.uint8), q], axis=1)
+    return out.reshape(weight.shape[0], -1)
+
+
 def blocks_of_weight(weight: torch.Tensor, kind: int) -> torch.Tensor:
-    """`weight` [rows, cols] (cols a multiple of 32) as `kind` blocks, quantized by gguf's
-    reference code (llama.cpp's): what its converter writes for that type."""
+    """`weight` [rows, cols] (cols a multiple of 32) as `kind` blocks: Q8_M by
+    `q8_m_blocks`, a GGUF type by gguf's reference code (llama.cpp's), what its converter
+    writes for that type."""
     from gguf import GGMLQuantizationType, quants
 
-    return torch.from_numpy(quants.quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType(kind)))
+    w = weight.detach().float().cpu().numpy()
+    return torch.from_numpy(q8_m_blocks(w) if kind == Q8_M else quants.quantize(w, GGMLQuantizationType(kind)))
 
 
 def quantizable(model) -> list[str]:

@@ -41,12 +41,14 @@ from specdec import flags, ggml
 
 log = logging.getLogger(__name__)
 
-# q8_0, q4_0: any other model's weights quantized at load into those GGUF block types,
-# multiplied by the same kernels (and a Llama-family model run by the same layer stack) as
-# a GGUF file's. auto: on a CPU, a GGUF file's own blocks where it holds its layers in
-# types we multiply (specdec.ggml), q8_0 for any other model whose layers take whole
-# blocks, int8 where the kernels cannot be built; none elsewhere
-BLOCKS = {"q8_0": ggml.Q8_0, "q4_0": ggml.Q4_0}
+# q8_m, q8_0, q4_0: any other model's weights quantized at load into blocks (q8_m: ours,
+# ggml.q8_m_blocks; the others GGUF's types), multiplied by the same kernels (and a
+# Llama-family model run by the same layer stack) as a GGUF file's. auto: on a CPU, a GGUF
+# file's own blocks where it holds its layers in types we multiply (specdec.ggml), q8_m for
+# any other model whose layers take whole blocks (as fast as q8_0 within a few percent, and
+# far closer to a model de-quantized from a GGUF file: docs/benchmarks.md), int8 where the
+# kernels cannot be built; none elsewhere
+BLOCKS = {"q8_m": ggml.Q8_M, "q8_0": ggml.Q8_0, "q4_0": ggml.Q4_0}
 METHODS = flags.QUANTIZE
 FLOAT64_ATTENTION = "specdec_float64_sdpa"
 
@@ -64,7 +66,7 @@ AttentionInterface.register(FLOAT64_ATTENTION, float64_attention)
 
 
 def method_of(model) -> str:
-    """What `quantize` did to the model: none, int8, gguf, q8_0 or q4_0."""
+    """What `quantize` did to the model: none, int8, gguf, q8_m, q8_0 or q4_0."""
     return getattr(model.config, "specdec_quantize", "none")
 
 
@@ -237,7 +239,7 @@ def _auto(model, source: str | None) -> str:
     if ggml.quantizable(model):
         log.info("int8: %s take inputs that are not whole blocks of 32", ", ".join(ggml.quantizable(model)[:3]))
         return "int8"
-    return "q8_0" if ggml.available() else "int8"
+    return "q8_m" if ggml.available() else "int8"
 
 
 def quantize(model, method: str):

@@ -1,7 +1,10 @@
-"""The engine's pass of the same rows under different forwards, for tests that hold one
-forward to another's bits."""
+"""The engine's passes as tests drive them: the same rows under different forwards (to
+hold one forward to another's bits), a prompt in chunks, and rounds whose drafts are the
+model's own tokens."""
 
 import torch
+
+from specdec.engine import Engine
 
 
 def logits_by_forward(engine, seqs, forwards, last: int = 3) -> list[list[torch.Tensor]]:
@@ -17,3 +20,32 @@ def logits_by_forward(engine, seqs, forwards, last: int = 3) -> list[list[torch.
             works = [engine.submit(seq, last) for seq in seqs]
         outputs.append([work.future.result()[0] for work in works])
     return outputs
+
+
+def prefill(model, ids: list[int], chunk: int, n_threads: int):
+    """ids through a fresh engine in passes of `chunk` tokens -> (logits after every token
+    [T, vocab], keys and values at the prompt's positions [layers, T, kv_heads, head_dim])."""
+    engine = Engine(model, 64 << 20, threads=n_threads, max_batch_tokens=chunk, prefix_caching=False)
+    try:
+        seq = engine.new_sequence()
+        seq.sync(0, ids)
+        logits, _ = engine.forward_now(seq, len(ids))
+        slots = seq.slots(len(ids), engine.pool.block_size, "cpu")
+        return logits, torch.stack([k[slots] for k in engine.pool.k]), torch.stack([v[slots] for v in engine.pool.v])
+    finally:
+        engine.stop()
+
+
+def rounds_of_its_own_tokens(engine, ids: list[int], want: list[int], k: int = 4) -> list[int]:
+    """The greedy tokens after `ids` when verify passes check `want`'s own next k tokens
+    as drafts (want: the prompt and the model's own greedy continuation)."""
+    seq = engine.new_sequence()
+    try:
+        seq.sync(0, ids)
+        got = engine.forward_now(seq, 1)[0].argmax(-1).tolist()
+        for pos in range(len(ids), len(want) - k, k):
+            seq.sync(pos, want[pos:pos + k])
+            got += engine.forward_now(seq, k)[0].argmax(-1).tolist()
+        return got
+    finally:
+        engine.release(seq)

@@ -3,9 +3,9 @@
 The default target as its GGUF file runs on the file's blocks with its layers in one
 kernel call. Here, in one process and interleaved (rounds of each engine in turn, the
 median of each), against it: the same model as a transformers checkpoint (its float32
-de-quantized weights) through `--quantize q8_0`, `q4_0` and `int8`, and random-weight
-checkpoints of exactly its shape in each family the layer kernel runs (saved, then loaded
-as a user's model is), through `auto` (q8_0) and `int8`; and the shipped draft, its head
+de-quantized weights) through `--quantize q8_m`, `q8_0`, `q4_0` and `int8` (--methods), and
+random-weight checkpoints of exactly its shape in each family the layer kernel runs (saved,
+then loaded as a user's model is), through `auto` (q8_m) and `int8`; and the shipped draft, its head
 cut to its vocabulary as the drafter cuts it, through `int8` and `auto`. A one-token pass
 and a 5-token verify pass each, after 120 positions of history. Writes paths.json and
 paths.md to --out."""
@@ -32,6 +32,7 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="the target's passes' threads")
     parser.add_argument("--draft-threads", type=int, default=1, help="the draft's (a drafter's default)")
     parser.add_argument("--families", default=",".join(FAMILIES), help="the random checkpoints' families")
+    parser.add_argument("--methods", default="q8_m,q8_0,q4_0,int8", help="the target as a checkpoint: its numerics")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every engine in turn")
     parser.add_argument("--out", type=Path, default=Path("paths-out"))
     return parser
@@ -67,7 +68,7 @@ def main_with(args) -> int:
     checkpoint = modeling.resolve(args.target)  # a GGUF target's de-quantized model directory
     work = tempfile.TemporaryDirectory()
     cases = [("target (its GGUF file)", args.target, "auto", args.threads)]
-    cases += [("target as a checkpoint", checkpoint, m, args.threads) for m in ("q8_0", "q4_0", "int8")]
+    cases += [("target as a checkpoint", checkpoint, m, args.threads) for m in args.methods.split(",") if m]
     for family in [f.strip() for f in args.families.split(",") if f.strip()]:
         path = random_checkpoint(family, reference, tokenizer, Path(work.name) / family)
         cases += [(f"random {family}", path, m, args.threads) for m in ("auto", "int8")]

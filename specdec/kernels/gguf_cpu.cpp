@@ -1,8 +1,10 @@
 // Products of float32 activations with weights kept in GGUF's quantized blocks, on the CPU.
 //
 // The weights stay the file's blocks (Q4_1: 32 weights as 4-bit integers q with a float16
-// scale d and minimum m, weight = q * d + m; Q4_0: (q - 8) * d; Q8_0: q * d): they cost
-// their bytes (Q4_1: 5 bits a weight) and are read as integers. The bytes are rearranged
+// scale d and minimum m, weight = q * d + m; Q4_0: (q - 8) * d; Q8_0: q * d), or blocks of
+// our own that a model's float weights are quantized into at load (Q8_M: Q4_1's form with
+// 8-bit q, weight = q * d + m): they cost their bytes (Q4_1: 5 bits a weight) and are read
+// as integers. The bytes are rearranged
 // once at load (`pack`): 8 output rows side by side, so that one 16-lane multiply-add of
 // their integers with a broadcast pair of activations leaves each row's sum in a lane of
 // its own. A block of 8 rows then costs 16 such products and no horizontal sums; the
@@ -14,7 +16,7 @@
 // 2^-16, against llama.cpp's 8 bits). A block's products are then exact integer sums,
 // sum(q * a), and each output is, block by block in order, in float32:
 //   acc = fma(float(sum(q * a)), d * s, acc);  acc = fma(m, s * sum(a), acc)
-// (m: the minimum for Q4_1, -8 d for Q4_0, no second step for Q8_0).
+// (m: the minimum for Q4_1 and Q8_M, -8 d for Q4_0, no second step for Q8_0).
 //
 // Batch invariance: every output y[m, n] is computed by the same operations in the same
 // order (explicit fused multiply-adds; the build turns off any other contraction),
@@ -48,14 +50,18 @@
 namespace {
 
 constexpr int QK = 32;  // weights per block, for every type here
-enum Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+enum Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q8_M = 100 };  // ggml's type ids; Q8_M is ours, no file's
 
-// A file block's bytes (Q4_0: d and 16 bytes of nibbles; Q4_1: d, m and the nibbles; Q8_0: d
-// and 32 signed bytes); the tiles take it at compile time.
-constexpr int block_size(int type) { return type == Q4_0 ? 2 + QK / 2 : type == Q4_1 ? 4 + QK / 2 : 2 + QK; }
+// Whether a type's blocks hold a minimum m, and 8-bit integers.
+constexpr bool has_min(int type) { return type == Q4_1 || type == Q8_M; }
+constexpr bool bytes_q(int type) { return type == Q8_0 || type == Q8_M; }
+
+// A block's bytes (Q4_0: d and 16 bytes of nibbles; Q4_1: d, m and the nibbles; Q8_0: d
+// and 32 signed bytes; Q8_M: d, m and 32 unsigned bytes); the tiles take it at compile time.
+constexpr int block_size(int type) { return (has_min(type) ? 4 : 2) + (bytes_q(type) ? QK : QK / 2); }
 
 int block_bytes(int type) {
-  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "unsupported GGUF block type ", type);
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q8_M, "unsupported block type ", type);
   return block_size(type);
 }
 
@@ -70,15 +76,16 @@ inline float half(const uint8_t* p) {
 }
 
 // A block's integers for column c of a file block (Q4: 16 bytes of nibbles, low nibbles
-// the first 16 columns; Q8_0: 32 signed bytes).
+// the first 16 columns; Q8_0: 32 signed bytes; Q8_M: 32 unsigned ones).
 inline int file_int(const uint8_t* p, int type, int c) {
   if (type == Q8_0) return reinterpret_cast<const int8_t*>(p + 2)[c];
+  if (type == Q8_M) return p[4 + c];
   const uint8_t byte = p[(type == Q4_1 ? 4 : 2) + c % 16];
   return c < 16 ? byte & 15 : byte >> 4;
 }
 
 // The packed layout: rows in groups of 8 (the last padded with zero blocks); per group,
-// per block of 32 columns, the 8 rows' scales d (float16), their minimums m (Q4_1), then
+// per block of 32 columns, the 8 rows' scales d (float16), their minimums m (Q4_1, Q8_M), then
 // the integers with the 8 rows interleaved two columns at a time: a 16-lane vector of
 // them, multiplied by a broadcast pair of activations, gives each row's sum over the two
 // columns in its own 32-bit lane. Q4 packs that vector's 16 integers as the low nibbles
@@ -87,13 +94,13 @@ inline int file_int(const uint8_t* p, int type, int c) {
 // file's bytes, rearranged.
 constexpr int ROWS = 8;
 int group_bytes(int type) { return ROWS * block_bytes(type); }
-constexpr int ints_offset(int type) { return type == Q4_1 ? 2 * 2 * ROWS : 2 * ROWS; }
+constexpr int ints_offset(int type) { return has_min(type) ? 2 * 2 * ROWS : 2 * ROWS; }
 
 // Where the integer of (row r in its group, column c of the block) lies: its byte, and
 // whether it is that byte's high nibble (Q4).
 inline int packed_index(int type, int r, int c, bool& high) {
   const int pair = c / 2, lane = 2 * r + c % 2;
-  if (type == Q8_0) { high = false; return 16 * pair + lane; }
+  if (bytes_q(type)) { high = false; return 16 * pair + lane; }
   const int chunk = c / 8, within = pair % 4;  // pairs 0 and 1 low nibbles, 2 and 3 high
   high = within >= 2;
   return 32 * chunk + 16 * (within % 2) + lane;
@@ -103,13 +110,14 @@ inline int packed_int(const uint8_t* group_block, int type, int r, int c) {
   bool high;
   const uint8_t byte = group_block[ints_offset(type) + packed_index(type, r, c, high)];
   if (type == Q8_0) return static_cast<int8_t>(byte);
+  if (type == Q8_M) return byte;
   return high ? byte >> 4 : byte & 15;
 }
 
-// A row's offset per unit of s * sum(a) in a block: m for Q4_1, -8 d for Q4_0 (sum((q - 8) a)
-// = sum(q a) - 8 sum(a)), none for Q8_0.
+// A row's offset per unit of s * sum(a) in a block: m for Q4_1 and Q8_M, -8 d for Q4_0
+// (sum((q - 8) a) = sum(q a) - 8 sum(a)), none for Q8_0.
 inline float offset(const uint8_t* group_block, int type, int r, float d) {
-  return type == Q4_1 ? half(group_block + 2 * ROWS + 2 * r) : type == Q4_0 ? -8.0f * d : 0.0f;
+  return has_min(type) ? half(group_block + 2 * ROWS + 2 * r) : type == Q4_0 ? -8.0f * d : 0.0f;
 }
 
 // Activation rows as 16-bit integers per block: a (k of them), the block's scale s, and
@@ -199,7 +207,7 @@ void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, 
     for (int chunk = 0; chunk < 4; ++chunk) {  // 8 columns: four pairs
       const int16_t* a = x.a.data() + t0 * k + b * QK + 8 * chunk;
       __m256i lo, hi;
-      if constexpr (TYPE != Q8_0) {
+      if constexpr (!bytes_q(TYPE)) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ints + 32 * chunk));
         lo = _mm256_and_si256(v, nibbles), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
       }
@@ -210,6 +218,8 @@ void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, 
         __m256i w;
         if constexpr (TYPE == Q8_0) {
           w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + 64 * chunk + 16 * j)));
+        } else if constexpr (TYPE == Q8_M) {
+          w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + 64 * chunk + 16 * j)));
         } else {
           const __m256i half = j < 2 ? lo : hi;
           w = _mm256_cvtepu8_epi16(j % 2 ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half));
@@ -219,7 +229,7 @@ void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, 
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 m = TYPE == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * ROWS)))
+    const __m256 m = has_min(TYPE) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * ROWS)))
                      : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     for (int t = 0; t < T; ++t) {
       const int64_t i = (t0 + t) * nb + b;
@@ -262,6 +272,7 @@ void group_rows(const uint8_t* group, int type, int64_t nb, const Rounded& x, in
     case Q4_0: return group_rows<Q4_0>(group, nb, x, tokens, y, n_out, rows);
     case Q4_1: return group_rows<Q4_1>(group, nb, x, tokens, y, n_out, rows);
     case Q8_0: return group_rows<Q8_0>(group, nb, x, tokens, y, n_out, rows);
+    case Q8_M: return group_rows<Q8_M>(group, nb, x, tokens, y, n_out, rows);
   }
 }
 
@@ -300,13 +311,14 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
       for (int t = 0; t < T; ++t) sums[s][t] = _mm512_setzero_si512();
     for (int chunk = 0; chunk < 4; ++chunk) {  // 8 columns: four pairs
       const int16_t* a = x.a.data() + t0 * k + b * QK + 8 * chunk;
-      const uint8_t* i0 = p0 + ints_at + (TYPE == Q8_0 ? 64 : 32) * chunk;
-      const uint8_t* i1 = p1 + ints_at + (TYPE == Q8_0 ? 64 : 32) * chunk;
-      if constexpr (TYPE == Q8_0) {
+      const uint8_t* i0 = p0 + ints_at + (bytes_q(TYPE) ? 64 : 32) * chunk;
+      const uint8_t* i1 = p1 + ints_at + (bytes_q(TYPE) ? 64 : 32) * chunk;
+      if constexpr (bytes_q(TYPE)) {
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
-          const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(i1 + 16 * j),
-                                                                     reinterpret_cast<const __m128i*>(i0 + 16 * j)));
+          const __m256i bytes = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(i1 + 16 * j),
+                                                    reinterpret_cast<const __m128i*>(i0 + 16 * j));
+          const __m512i w = TYPE == Q8_0 ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
           for (int t = 0; t < T; ++t)
             sums[j % A][t] = _mm512_dpwssd_epi32(sums[j % A][t], w, pair_of_512(a + t * k + 2 * j));
         }
@@ -332,7 +344,7 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
       for (int t = 0; t < T; ++t) sums[0][t] = _mm512_add_epi32(sums[0][t], sums[s][t]);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1),
                                                          reinterpret_cast<const __m128i*>(p0)));
-    const __m512 m = TYPE == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1 + 2 * ROWS),
+    const __m512 m = has_min(TYPE) ? _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1 + 2 * ROWS),
                                                                         reinterpret_cast<const __m128i*>(p0 + 2 * ROWS)))
                      : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
     for (int t = 0; t < T; ++t) {
@@ -375,6 +387,7 @@ void pair_rows(const uint8_t* g0, const uint8_t* g1, int type, int64_t nb, const
     case Q4_0: return pair_rows<Q4_0>(g0, g1, nb, x, tokens, y, n_out, rows);
     case Q4_1: return pair_rows<Q4_1>(g0, g1, nb, x, tokens, y, n_out, rows);
     case Q8_0: return pair_rows<Q8_0>(g0, g1, nb, x, tokens, y, n_out, rows);
+    case Q8_M: return pair_rows<Q8_M>(g0, g1, nb, x, tokens, y, n_out, rows);
   }
 }
 #endif  // AVX-512
@@ -468,12 +481,12 @@ torch::Tensor pack(torch::Tensor w, int64_t type) {
       const uint8_t* src = wp + n * w.size(1) + b * bytes;
       uint8_t* dst = op + (n / ROWS) * out.size(1) + b * group_bytes(type);
       std::memcpy(dst + 2 * r, src, 2);                                        // d
-      if (type == Q4_1) std::memcpy(dst + 2 * ROWS + 2 * r, src + 2, 2);       // m
+      if (has_min(type)) std::memcpy(dst + 2 * ROWS + 2 * r, src + 2, 2);      // m
       for (int c = 0; c < QK; ++c) {
         bool high;
         uint8_t& byte = dst[ints_offset(type) + packed_index(type, r, c, high)];
         const int q = file_int(src, type, c);
-        byte = type == Q8_0 ? static_cast<uint8_t>(q) : high ? (byte | (q << 4)) : (byte | q);
+        byte = bytes_q(type) ? static_cast<uint8_t>(q) : high ? (byte | (q << 4)) : (byte | q);
       }
     }
   }
@@ -542,7 +555,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N) 
 }
 
 // Rows `ids` of the packed blocks of N rows, de-quantized: [len(ids), K] float32 (an
-// embedding lookup): weight = q * d + m (Q4_1), (q - 8) * d (Q4_0), q * d (Q8_0).
+// embedding lookup): weight = q * d + m (Q4_1, Q8_M), (q - 8) * d (Q4_0), q * d (Q8_0).
 torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t N, torch::Tensor ids) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be packed blocks");
   TORCH_CHECK(w.size(1) % group_bytes(type) == 0 && w.size(0) == (N + ROWS - 1) / ROWS, "w does not hold ", N,
@@ -558,11 +571,11 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t N, torch::Tensor
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = w.data_ptr<uint8_t>() + (ip[i] / ROWS) * w.size(1) + b * group_bytes(type);
       const float d = half(p + 2 * r);
-      const float m = type == Q4_1 ? half(p + 2 * ROWS + 2 * r) : 0.0f;
+      const float m = has_min(type) ? half(p + 2 * ROWS + 2 * r) : 0.0f;
       for (int c = 0; c < QK; ++c) {
         const int q = packed_int(p, type, r, c);
         // q * d is exact in float32: one rounding, as numpy's
-        o[i * K + b * QK + c] = type == Q4_1 ? q * d + m : type == Q4_0 ? (q - 8) * d : q * d;
+        o[i * K + b * QK + c] = has_min(type) ? q * d + m : type == Q4_0 ? (q - 8) * d : q * d;
       }
     }
   }

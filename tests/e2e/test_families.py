@@ -1,5 +1,5 @@
 """A checkpoint of each Llama-family model (tests/models.py, FAMILIES) served through the
-three services with the CPU's default numerics for it (`--quantize auto`: q8_0 blocks,
+three services with the CPU's default numerics for it (`--quantize auto`: q8_m blocks,
 the layers in one kernel call), the verifier at more threads than this machine's cores:
 greedy speculation and the target alone token-identical to the quantized target's own
 `generate`."""
@@ -45,7 +45,7 @@ def test_each_family_served_on_its_blocks_is_the_target_alone(families, family):
     service, (v, d, _, expected) = by_family[family]
     for info in (services.verifier_stub(v).GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=10),
                  services.drafter_stub(d).GetModelInfo(drafter_pb2.GetModelInfoRequest(), timeout=10)):
-        assert info.info.numerics == "q8_0/float32/cpu/layer-kernel"
+        assert info.info.numerics == "q8_m/float32/cpu/layer-kernel"
     stub = services.orchestrator_stub(service)
     drafted = accepted = 0
     for prompt, (ids, want) in expected.items():

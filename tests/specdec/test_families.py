@@ -1,7 +1,8 @@
-"""Models brought from transformers on the CPU's fast path (`--quantize q8_0`, the default
-for them; `q4_0` on request): their weights quantized at load into GGUF blocks, the
-decoder layers of each Llama-family model in one kernel call. For a random model of each
-family (tests/models.py, FAMILIES): the blocks are gguf's reference quantization, the
+"""Models brought from transformers on the CPU's fast path (`--quantize q8_m`, the default
+for them; `q8_0` and `q4_0` on request): their weights quantized at load into blocks the
+kernels multiply, the decoder layers of each Llama-family model in one kernel call. The
+blocks: Q8_M's within half a step of each weight, GGUF's types gguf's reference
+quantization. For a random model of each family (tests/models.py, FAMILIES): the
 kernel's pass gives the Python pass's bits, rounds through the engine give the quantized
 model's own `generate`, and a prompt in chunks gives one-token steps' bits, at more
 threads than this machine has cores."""
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from models import FAMILIES, build_family
-from passes import logits_by_forward
+from passes import logits_by_forward, prefill, rounds_of_its_own_tokens
 from specdec import ggml, modeling, quantize
 from specdec.engine import Engine, model_runner
 
@@ -29,11 +30,11 @@ def load(path, method="auto"):
     return quantize.quantize(model, method), tokenizer
 
 
-@pytest.mark.parametrize("method", ["auto", "q4_0"])
+@pytest.mark.parametrize("method", ["auto", "q8_0", "q4_0"])
 def test_a_checkpoint_of_each_family_runs_its_layers_in_the_kernel(family_dir, method):
     family, path = family_dir
     model, _ = load(path, method)
-    assert quantize.method_of(model) == ("q8_0" if method == "auto" else method)
+    assert quantize.method_of(model) == ("q8_m" if method == "auto" else method)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     if family == "qwen3":  # tied: the head multiplies the embedding's blocks
         assert model.lm_head.packed.data_ptr() == model.model.embed_tokens.packed.data_ptr()
@@ -62,6 +63,46 @@ def test_blocks_quantized_at_load_are_ggufs_reference_quantization(kind):
     step = weight.reshape(24, -1, 32).abs().amax(-1).repeat_interleave(32, -1) / top
     assert ((held - weight).abs() <= step * (off + top * 2 ** -11) + top * 2 ** -24).all()
     assert torch.equal(held[5], torch.zeros(96))
+
+
+def test_q8_m_blocks_hold_each_weight_within_half_a_step_of_a_grid_no_coarser_than_q8_0s():
+    torch.manual_seed(1)
+    weight = torch.randn(24, 96) * torch.logspace(-3, 1, 24)[:, None]
+    weight[3] = weight[3].abs() + 2  # a block of one sign: Q8_0's step would be twice as coarse
+    weight[5] = 0.25  # a constant row: range 0
+    blocks = ggml.blocks_of_weight(weight, ggml.Q8_M)
+    assert blocks.shape == (24, 3 * 36) and blocks.dtype == torch.uint8
+    held = ggml._kernels().dequantize(ggml.pack(blocks, ggml.Q8_M), ggml.Q8_M, 24, torch.arange(24))
+    raw = blocks.reshape(-1, 36)
+    d, m = (raw[:, i:i + 2].contiguous().view(torch.float16).float().repeat_interleave(32, -1).reshape(24, 96)
+            for i in (0, 2))
+    # Half a step of the block's grid, plus m's rounding to float16.
+    assert ((held - weight).abs() <= 0.5 * d + m.abs() * 2 ** -10 + 2 ** -24).all()
+    b = weight.reshape(24, -1, 32)
+    coarsest = torch.maximum((b.amax(-1) - b.amin(-1)) / 255, b.abs().amax(-1) / 127).repeat_interleave(32, -1)
+    assert (d <= coarsest * (1 + 2 ** -10)).all()
+    assert (d[3] <= coarsest[3] / 1.9).all()  # the one-sided block: its range's grid, twice as fine
+    assert torch.equal(held[5], torch.full((96,), 0.25))
+
+
+def test_blocks_de_quantized_from_a_gguf_file_keep_their_levels_in_q8_m():
+    """A GGUF file's Q4_1 layers and Q8_0 embedding, de-quantized (a user's checkpoint of the
+    default target) and quantized again at load: Q8_M keeps every weight within a small
+    part of Q8_0's step of where it was, from either; Q8_0 moves Q4_1's up to half a step."""
+    from gguf import GGMLQuantizationType, quants
+
+    torch.manual_seed(2)
+    weight = torch.randn(64, 128) * 0.05 + 0.01
+
+    def moved(source, kind):
+        published = torch.from_numpy(quants.dequantize(quants.quantize(weight.numpy(), source), source).copy())
+        blocks = ggml.blocks_of_weight(published, kind)
+        held = ggml._kernels().dequantize(ggml.pack(blocks, kind), kind, 64, torch.arange(64))
+        q8_0_step = published.reshape(64, -1, 32).abs().amax(-1) / 127
+        return ((held - published).abs().reshape(64, -1, 32).amax(-1) / q8_0_step).max().item()
+
+    assert moved(GGMLQuantizationType.Q4_1, ggml.Q8_M) < 0.15 < 0.45 < moved(GGMLQuantizationType.Q4_1, ggml.Q8_0)
+    assert moved(GGMLQuantizationType.Q8_0, ggml.Q8_M) < 0.1
 
 
 def test_a_layer_whose_inputs_are_not_whole_blocks_is_refused_by_name_and_auto_takes_int8(tmp_path, smol_tokenizer):
@@ -106,13 +147,7 @@ def test_rounds_through_the_engine_give_the_models_own_generate(family_dir):
     try:
         for text, want in wants.items():
             ids = tokenizer(text)["input_ids"]
-            seq = engine.new_sequence()
-            seq.sync(0, ids)
-            got = engine.forward_now(seq, 1)[0].argmax(-1).tolist()
-            for pos in range(len(ids), len(want) - 4, 4):
-                seq.sync(pos, want[pos:pos + 4])
-                got += engine.forward_now(seq, 4)[0].argmax(-1).tolist()
-            engine.release(seq)
+            got = rounds_of_its_own_tokens(engine, ids, want)
             assert got == want[len(ids):len(ids) + len(got)], text
     finally:
         engine.stop()
@@ -121,22 +156,10 @@ def test_rounds_through_the_engine_give_the_models_own_generate(family_dir):
 def test_a_prompt_in_chunks_gives_one_token_steps_bits(family_dir):
     model, _ = load(family_dir[1])
     ids = torch.randint(0, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(4)).tolist()
-
-    def prefill(chunk, threads):
-        engine = Engine(model, 16 << 20, threads=threads, max_batch_tokens=chunk, prefix_caching=False)
-        try:
-            seq = engine.new_sequence()
-            seq.sync(0, ids)
-            logits, _ = engine.forward_now(seq, len(ids))
-            slots = seq.slots(len(ids), engine.pool.block_size, "cpu")
-            return logits, torch.stack([k[slots] for k in engine.pool.k])
-        finally:
-            engine.stop()
-
-    want = prefill(1, 1)
+    want = prefill(model, ids, 1, 1)
     for chunk in (96, 37, 5):
-        got = prefill(chunk, THREADS)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), chunk
+        got = prefill(model, ids, chunk, THREADS)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), chunk
 
 
 def test_mistral_sessions_end_at_its_sliding_window(tmp_path, smol_tokenizer):

@@ -8,11 +8,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from passes import logits_by_forward
+from passes import logits_by_forward, rounds_of_its_own_tokens
 from specdec import ggml, modeling, quantize
 from specdec.engine import Engine
 
-KINDS = [ggml.Q4_0, ggml.Q4_1, ggml.Q8_0]
+KINDS = [ggml.Q4_0, ggml.Q4_1, ggml.Q8_0, ggml.Q8_M]
 
 
 def random_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -23,6 +23,9 @@ def random_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> torch.Tenso
     if kind == ggml.Q8_0:
         q = draw.integers(-128, 128, (n, 32), dtype=np.int8).view(np.uint8)
         parts = [d, q]
+    elif kind == ggml.Q8_M:
+        m = (-draw.random(n) * 2).astype(np.float16).view(np.uint8).reshape(n, 2)
+        parts = [d, m, draw.integers(0, 256, (n, 32), dtype=np.uint8)]
     else:
         q = draw.integers(0, 256, (n, 16), dtype=np.uint8)
         parts = [d, q]
@@ -33,6 +36,12 @@ def random_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> torch.Tenso
 
 
 def reference_dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """gguf's reference code; for our Q8_M, Q4_1's formula as gguf writes it (q * d + m in
+    float32) on 8-bit q."""
+    if kind == ggml.Q8_M:
+        b = blocks.numpy().reshape(-1, 36)
+        d, m = (b[:, i:i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+        return torch.from_numpy((d * b[:, 4:].astype(np.float32) + m).reshape(blocks.shape[0], -1))
     return torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(kind)).copy()).float()
 
 
@@ -179,13 +188,7 @@ def test_the_default_target_rounds_equal_its_generate(numerics):
     try:
         for text, want in wants.items():
             ids = tokenizer(text)["input_ids"]
-            seq = engine.new_sequence()
-            seq.sync(0, ids)
-            got = engine.forward_now(seq, 1)[0].argmax(-1).tolist()
-            for pos in range(len(ids), len(want) - 4, 4):  # the target's own tokens as drafts
-                seq.sync(pos, want[pos:pos + 4])
-                got += engine.forward_now(seq, 4)[0].argmax(-1).tolist()
-            engine.release(seq)
+            got = rounds_of_its_own_tokens(engine, ids, want)  # the target's own tokens as drafts
             assert got == want[len(ids):len(ids) + len(got)], text
     finally:
         engine.stop()

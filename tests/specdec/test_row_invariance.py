@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 
+from passes import prefill
 from specdec import ggml, kernels, modeling, quantize
 from specdec.engine import Engine
 from specdec.engine.model_runner import rotary
@@ -86,20 +87,6 @@ def test_the_default_targets_operations_give_a_row_the_same_bits_in_any_pass(tar
                 one_cos, one_sin = target.model.rotary_emb(like, torch.tensor([[p]]))
                 assert torch.equal(cos[0, PROMPT - 1 - p], one_cos[0, 0]) and torch.equal(sin[0, PROMPT - 1 - p],
                                                                                           one_sin[0, 0])
-
-
-def prefill(model, ids: list[int], chunk: int, n_threads: int):
-    """ids through a fresh engine in passes of `chunk` tokens -> (logits after every token
-    [T, vocab], keys and values at the prompt's positions [layers, T, kv_heads, head_dim])."""
-    engine = Engine(model, 64 << 20, threads=n_threads, max_batch_tokens=chunk, prefix_caching=False)
-    try:
-        seq = engine.new_sequence()
-        seq.sync(0, ids)
-        logits, _ = engine.forward_now(seq, len(ids))
-        slots = seq.slots(len(ids), engine.pool.block_size, "cpu")
-        return logits, torch.stack([k[slots] for k in engine.pool.k]), torch.stack([v[slots] for v in engine.pool.v])
-    finally:
-        engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,53 @@
+"""`specdec bench split` as a smoke test on the tiny pair: each topology's deployment is
+placed as its docstring says, every cell runs through real services, and the defaults'
+outputs equal K = 0's. Not a timing test."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from deploy import launch
+from deploy.bench import split
+
+
+def test_a_service_runs_on_the_cores_it_is_given():
+    service = launch.Service("sleeper", 0, [sys.executable, "-c", "import time; time.sleep(30)"], cpus=(0,))
+    launch.start([service])
+    try:
+        time.sleep(0.2)
+        assert os.sched_getaffinity(service.process.pid) == {0}
+    finally:
+        service.process.kill()
+        service.process.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the split topology needs 2 cores")
+def test_the_split_topology_gives_the_verifier_its_cores_and_the_rest_the_last(tiny_pair):
+    target, draft, _ = tiny_pair
+    args = split.build_parser().parse_args(["--target", str(target), "--draft", str(draft)])
+    cores = sorted(os.sched_getaffinity(0))
+    placed = {s.name: s for s in split.deployment(args, "split")}
+    verifier = placed.pop("verifier")
+    assert verifier.cpus == tuple(cores[:-1])
+    last = max(i for i, flag in enumerate(verifier.argv) if flag == "--threads")  # the last one given wins
+    assert verifier.argv[last + 1] == str(len(cores) - 1)
+    assert {s.cpus for s in placed.values()} == {(cores[-1],)} and {s.nice for s in placed.values()} == {0}
+    assert all(s.cpus is None for s in split.deployment(args, "shared"))
+
+
+def test_bench_split_runs_each_cell_and_the_outputs_agree(tiny_pair, tmp_path):
+    target, draft, _ = tiny_pair
+    out = tmp_path / "out"
+    args = split.build_parser().parse_args(
+        ["--target", str(target), "--draft", str(draft), "--requests", "2", "--max-new-tokens", "8",
+         "--passes", "1", "--quantize", "none", "--out", str(out)])
+    assert split.main_with(args) == 0
+    report = json.loads((out / "split.json").read_text())
+    assert [(r["topology"], r["variant"]) for r in report["rows"]] == [
+        ("shared", "defaults"), ("shared", "K = 0"), ("split", "defaults"), ("split", "K = 0")]
+    assert all(r["tok_s"] > 0 and len(r["tokens"]) == 2 for r in report["rows"])
+    assert all(r["drafted"] == 0 for r in report["rows"] if r["variant"] == "K = 0")
+    assert {t: (s["same"], s["checked"]) for t, s in report["summary"].items()} == {"shared": (2, 2), "split": (2, 2)}
