@@ -29,7 +29,9 @@ from orchestrator.openai_api import OpenAIFront
 from specdec.metrics import OrchestratorMetrics
 from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
-from orchestrator.speculation import Deadline, DrafterLink, FeatureFeed, Stats, VerifierLink, speculate
+from orchestrator.links import Deadline, DrafterLink, FeatureFeed, VerifierLink
+from orchestrator.rounds import speculate
+from orchestrator.stats import Stats
 from orchestrator.verifiers import ROUTINGS, VerifierPool
 from orchestrator.text import TextStream
 
@@ -77,13 +79,19 @@ class Request:
 
 @dataclass
 class Flight:
-    """A request in flight, as ListRequests shows it."""
-    label: str
+    """A request in flight: its links, its text so far, its statistics (ListRequests shows them)."""
+    req: Request
     session_id: str
     drafter: DrafterLink
     verifier: VerifierLink
     text: TextStream
+    stats: Stats
+    span: trace.Span
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def label(self) -> str:
+        return self.req.label
 
 
 class SampleFailed(Exception):
@@ -287,6 +295,23 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 async for event in events:
                     yield event
             return
+        req = await self.admit(request, context)
+        flight = self.open(req, context)
+        outcome, code = "cancelled", "CANCELLED"  # what the finally records unless told otherwise
+        try:
+            async with contextlib.aclosing(self.stream(flight)) as events:
+                async for event in events:
+                    yield event
+            outcome, code = "ok", "OK"
+        except (ServiceError, grpc.aio.AioRpcError) as err:
+            status, details = _failure(req.label, err)
+            outcome, code = "error", status.name
+            await context.abort(status, details)
+        finally:
+            self.finish(flight, outcome, code)
+
+    async def admit(self, request: pb.GenerateRequest, context) -> Request:
+        """The request validated, its constraint compiled, and its turn come (a burst waits here)."""
         try:
             if self.tokenizer is None:
                 raise Unavailable("still starting: waiting for the verifier")
@@ -295,101 +320,87 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             req = self.parse(request)
             if req.constraint is not None:  # compiled off the event loop (up to a second), or taken from the cache
                 req.guide = await asyncio.to_thread(self.vocab.guide, req.constraint, len(req.prompt))
-            await self.admission.enter()  # a burst waits here for its turn
+            await self.admission.enter()
+            return req
         except ServiceError as err:
             self.metrics.requests.labels("error", err.code.name).inc()
             await abort(context, err)
-        # The request's identity on the services is minted here, never taken from the
-        # client: two requests with one label (two orchestrators, a reused id) share nothing.
+
+    def open(self, req: Request, context) -> Flight:
+        """The request's sessions on a drafter and a verifier (links that take a replica at
+        their first call), under an identity minted here, never taken from the client: two
+        requests with one label (two orchestrators, a reused id) share nothing."""
         session_id = uuid.uuid4().hex
         logs.bind(req.label, session_id)
         log.info("[%s] start: session %s, %d prompt tokens, max_new_tokens=%d, K=%s, temperature=%g",
                  req.label, session_id, len(req.prompt), req.max_new_tokens,
                  "adaptive" if req.k is None else req.k, req.params.temperature)
-        metrics, started = self.metrics, time.monotonic()
-        metrics.prompt_tokens.inc(len(req.prompt))
-        stats = Stats(on_round=metrics.round)
+        self.metrics.prompt_tokens.inc(len(req.prompt))
+        stats = Stats(on_round=self.metrics.round)
         deadline = Deadline(context.time_remaining())
         labelled = logs.request_metadata(req.label)
         # A feature drafter drafts from the target's features: the verifier sends them with its tokens.
         feed = FeatureFeed(self.pool.feature_rule) if self.pool.feature_rule is not None else None
         verifier = VerifierLink(self.verifiers, session_id, req.prompt, req.params, stats,
-                                self.limits.verifier_timeout_s,
-                                retry_s=self.limits.verifier_retry_s, deadline=deadline, metadata=labelled,
-                                features=feed, constraint=req.constraint, top_logprobs=req.top_logprobs)
+                                self.limits.verifier_timeout_s, retry_s=self.limits.verifier_retry_s,
+                                deadline=deadline, metadata=labelled, features=feed, constraint=req.constraint,
+                                top_logprobs=req.top_logprobs)
         # Greedy requests only draft from other requests' outputs: a sampled request's tokens
         # depend on its drafts (their distribution does not), and its seed must reproduce them.
         drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
-                              deadline=deadline, metadata=labelled,
+                              deadline=deadline, metadata=labelled, features=feed,
                               memory=self.output_memory if sampling.is_greedy(req.params) else None)
-        drafter.features = feed
-        text = TextStream(self.tokenizer, req.stop)
-        self.in_flight[session_id] = Flight(req.label, session_id, drafter, verifier, text)
-        outcome, code, last = "cancelled", "CANCELLED", None  # what the finally records unless told otherwise
         span = tracing.tracer.start_span("Generate", context=tracing.incoming(context), kind=trace.SpanKind.SERVER,
                                          attributes={"request_id": req.label, "session_id": session_id,
                                                      "prompt_tokens": len(req.prompt)})
-        try:
-            policy = FixedK(req.k) if req.k is not None else AdaptiveK(
-                self.costs, self.limits.adaptive_max_k, self.limits.default_k,
-                probes_beside_runs=sampling.is_greedy(req.params), lookup_k_max=self.limits.max_k)
-            # The prompt's own log-probabilities: one prefill, before (and whatever) the rounds.
-            scored = await verifier.score(req.prompt_top_logprobs) if req.prompt_top_logprobs is not None else []
-            rounds = speculate(req.prompt, req.max_new_tokens, policy, set(self.info.eos_token_ids), drafter,
-                               verifier, stats, overlap=self.limits.overlap,
-                               trace_context=trace.set_span_in_context(span), guide=req.guide) \
-                if req.max_new_tokens else _nothing()
-            async with contextlib.aclosing(rounds):  # a stop string ends it early: stop its drafting too
-                async for new in rounds:
-                    position = len(req.prompt) + len(text.ids)
-                    ids, delta = text.add(new)
-                    last = metrics.tokens(started, last, len(ids))
-                    logprobs = [verifier.logprobs.pop(position + i) for i in range(len(ids))] \
-                        if req.top_logprobs is not None else []
-                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=delta, logprobs=logprobs))
-                    if text.stop_hit is not None:
-                        break
-            tail = text.finish()
-            if tail:
-                yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
-            yield pb.GenerateResponse(result=self.result(req, text, stats, scored))
-            outcome, code = "ok", "OK"
-            memory = self.output_memory(self.pool.lookup_rule)
-            if memory is not None:  # with the prompt's end, which its first tokens follow
-                memory.add(req.prompt[-memory.max_n:] + text.ids)
-            metrics.e2e.observe(time.monotonic() - started)
-            log.info("[%s] done: %d tokens in %d rounds (by drafts: %s; %d drafted by lookup, %d runs of the target "
-                     "alone cut for one, %d probes beside runs, %d lookup tokens checked), acceptance %.2f, "
-                     "%d resyncs, %d drafter failovers, %d verifier moves", req.label, len(text.ids), stats.rounds,
-                     dict(sorted(stats.rounds_by_k.items())), stats.lookup_rounds, stats.runs_cut,
-                     stats.probes_beside_runs, stats.lookups_checked, _rate(stats), stats.resyncs,
-                     stats.drafter_failovers, stats.verifier_moves)
-            if req.k is None:
-                log.debug("[%s] costs: %s", req.label, self.costs.describe())
-        except ServiceError as err:  # the request's own fault, found as it ran (a grammar over its bounds)
-            log.info("[%s] refused while running: %s", req.label, err)
-            outcome, code = "error", err.code.name
-            await abort(context, err)
-        except grpc.aio.AioRpcError as err:
-            log.error("[%s] a service call failed: %s %s", req.label, err.code().name, err.details())
-            # Bad input, a full verifier, a passed deadline and a service's own failure keep
-            # their codes: the client should not retry the first, should back off on the
-            # second, knows the third; anything else is the retriable UNAVAILABLE.
-            passed_on = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
-            status = err.code() if err.code() in passed_on else grpc.StatusCode.UNAVAILABLE
-            outcome, code = "error", status.name
-            await context.abort(status, f"a service call failed: {err.details()}")
-        finally:
-            metrics.finished(outcome, code, stats)
-            span.set_attributes({"outcome": outcome, "code": code, "completion_tokens": len(text.ids)})
-            span.end()
-            del self.in_flight[session_id]
-            self.admission.leave()
-            # Release both sessions even when the client cancelled this call.
-            task = asyncio.ensure_future(self.close_sessions(req.label, drafter, verifier, req.prompt + text.ids))
-            self.closing.add(task)
-            task.add_done_callback(self.closing.discard)
+        flight = Flight(req, session_id, drafter, verifier, TextStream(self.tokenizer, req.stop), stats, span)
+        self.in_flight[session_id] = flight
+        return flight
+
+    async def stream(self, flight: Flight):
+        """The request's events: its chunks as the rounds commit them, then its Result."""
+        req, text, stats, metrics = flight.req, flight.text, flight.stats, self.metrics
+        policy = FixedK(req.k) if req.k is not None else AdaptiveK(
+            self.costs, self.limits.adaptive_max_k, self.limits.default_k,
+            probes_beside_runs=sampling.is_greedy(req.params), lookup_k_max=self.limits.max_k)
+        # The prompt's own log-probabilities: one prefill, before (and whatever) the rounds.
+        scored = await flight.verifier.score(req.prompt_top_logprobs) if req.prompt_top_logprobs is not None else []
+        rounds = speculate(req.prompt, req.max_new_tokens, policy, set(self.info.eos_token_ids), flight.drafter,
+                           flight.verifier, stats, overlap=self.limits.overlap,
+                           trace_context=trace.set_span_in_context(flight.span), guide=req.guide) \
+            if req.max_new_tokens else _nothing()
+        last = None
+        async with contextlib.aclosing(rounds):  # a stop string ends it early: stop its drafting too
+            async for commit in rounds:
+                ids, delta = text.add(commit.tokens)
+                last = metrics.tokens(flight.started, last, len(ids))
+                yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids, text=delta, logprobs=commit.logprobs[:len(ids)]))
+                if text.stop_hit is not None:
+                    break
+        tail = text.finish()
+        if tail:
+            yield pb.GenerateResponse(chunk=pb.Chunk(text=tail))
+        yield pb.GenerateResponse(result=self.result(req, text, stats, scored))
+        memory = self.output_memory(self.pool.lookup_rule)
+        if memory is not None:  # with the prompt's end, which its first tokens follow
+            memory.add(req.prompt[-memory.max_n:] + text.ids)
+        metrics.e2e.observe(time.monotonic() - flight.started)
+        log.info("[%s] done: %d tokens in %s", req.label, len(text.ids), stats.describe())
+        if req.k is None:
+            log.debug("[%s] costs: %s", req.label, self.costs.describe())
+
+    def finish(self, flight: Flight, outcome: str, code: str) -> None:
+        """The request's end, however it came: recorded, and both sessions released (in the
+        background: a client that cancelled does not wait for it)."""
+        self.metrics.finished(outcome, code, flight.stats)
+        flight.span.set_attributes({"outcome": outcome, "code": code, "completion_tokens": len(flight.text.ids)})
+        flight.span.end()
+        del self.in_flight[flight.session_id]
+        self.admission.leave()
+        task = asyncio.ensure_future(self.close_sessions(flight.req.label, flight.drafter, flight.verifier,
+                                                         flight.req.prompt + flight.text.ids))
+        self.closing.add(task)
+        task.add_done_callback(self.closing.discard)
 
     async def drained(self, wait_s: float = 10.0) -> None:
         """After the last call: the sessions those calls left on the services are released
@@ -417,14 +428,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             request_id=req.label, token_ids=text.ids, text=text.text, finish_reason=finish, prompt_logprobs=scored,
             stop_sequence=text.stop_hit or "",
             usage=pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(text.ids)),
-            stats=pb.SpeculationStats(
-                rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-                acceptance_rate=_rate(stats), resyncs=stats.resyncs, drafter_failovers=stats.drafter_failovers,
-                accepted_per_position=stats.accepted_per_position, lookaheads=stats.lookaheads,
-                lookahead_hits=stats.lookahead_hits, draft_seconds=stats.draft_s, verify_seconds=stats.verify_s,
-                mean_batch_rows=stats.pass_rows / stats.rounds if stats.rounds else 0.0,
-                verifier_moves=stats.verifier_moves, feature_bytes_received=stats.feature_bytes,
-                feature_bytes_sent=stats.feature_bytes_sent),
+            stats=stats.message(),
         )
 
 
@@ -540,8 +544,19 @@ async def _nothing():
     yield
 
 
-def _rate(stats: Stats) -> float:
-    return stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0
+def _failure(label: str, err: ServiceError | grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    """The status a request that failed as it ran ends with."""
+    if isinstance(err, ServiceError):  # the request's own fault, found as it ran (a grammar over its bounds)
+        log.info("[%s] refused while running: %s", label, err)
+        return err.code, str(err)
+    log.error("[%s] a service call failed: %s %s", label, err.code().name, err.details())
+    # Bad input, a full verifier, a passed deadline and a service's own failure keep their
+    # codes: the client should not retry the first, should back off on the second, knows
+    # the third; anything else is the retriable UNAVAILABLE.
+    passed_on = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
+    status = err.code() if err.code() in passed_on else grpc.StatusCode.UNAVAILABLE
+    return status, f"a service call failed: {err.details()}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,9 @@ import grpc
 from specdec.common.v1 import common_pb2
 from orchestrator.kpolicy import FixedK, RoundCosts
 from orchestrator.pool import DrafterPool
-from orchestrator.speculation import Deadline, DrafterLink, FeatureFeed, Stats, VerifierLink, speculate
+from orchestrator.links import Deadline, DrafterLink, FeatureFeed, VerifierLink
+from orchestrator.rounds import speculate
+from orchestrator.stats import Stats
 from orchestrator.verifiers import VerifierPool
 
 log = logging.getLogger("orchestrator")
@@ -72,8 +74,7 @@ async def measure_costs(costs: RoundCosts, verifiers: VerifierPool, drafters: Dr
     feed = FeatureFeed(drafters.feature_rule) if drafters.feature_rule is not None else None
     verifier = VerifierLink(verifiers, session_id, history, params, stats, verifier_timeout_s, retry_s=0.0,
                             deadline=deadline, features=feed)
-    drafter = DrafterLink(drafters, session_id, params, stats, drafter_timeout_s, deadline=deadline)
-    drafter.features = feed
+    drafter = DrafterLink(drafters, session_id, params, stats, drafter_timeout_s, deadline=deadline, features=feed)
     started = time.monotonic()
     # (K, tokens, drafts asked for beside a run). The run's first call prefills the text
     # (not measured); the next is steps alone, then two runs of steps with a probe of one
@@ -88,8 +89,8 @@ async def measure_costs(costs: RoundCosts, verifiers: VerifierPool, drafters: Dr
             policy.probe_k = probe_k
             rounds = speculate(history, tokens, policy, eos, drafter, verifier, stats)
             async with contextlib.aclosing(rounds):
-                async for new in rounds:
-                    history.extend(new)
+                async for commit in rounds:
+                    history.extend(commit.tokens)
                     if policy.calls > ROUNDS:
                         break
         log.info("warm-up: %d tokens in %.2f s; %s", len(history), time.monotonic() - started, costs.describe())

@@ -44,6 +44,7 @@ import torch
 
 from deploy import launch
 from deploy.bench import harness
+from orchestrator.links import Step, Verdict
 from specdec import modeling, quantize
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine
@@ -146,7 +147,7 @@ class _LocalVerifier:
                                              draft_tokens=drafts, draft_probs=qs, sampling=self.params)
         self.synced = len(history)
         accepted, token, done, *_ = await self.verify_round(self.seq, request)
-        return accepted, token, done
+        return Verdict(accepted, token, done)
 
     async def decode(self, history, max_tokens, stop, draft_forced=False, draft_lookup=None):
         request = verifier_pb2.DecodeRequest(start=self.synced, new_tokens=history[self.synced:],
@@ -154,14 +155,15 @@ class _LocalVerifier:
                                              draft_forced=draft_forced, draft_lookup=draft_lookup)
         self.synced = len(history)
         async for token, done, _ in self.decode_run(self.seq, request, modeling.max_positions(self.engine.model)):
-            yield token, done, None  # no lookup drafts: its drafter has no lookup rule
+            yield Step(token, done)  # no lookup drafts: its drafter has no lookup rule
 
     def close(self):
         self.engine.release(self.seq)
 
 
 def run_inprocess(index: int, target: Engine, proposer, ids: list[int], max_new_tokens: int, k: int, eos) -> Run:
-    from orchestrator.speculation import Stats, speculate
+    from orchestrator.rounds import speculate
+    from orchestrator.stats import Stats
 
     params = common_pb2.SamplingParams(top_p=1.0)
     stats, tokens, arrivals = Stats(), [], []
@@ -169,9 +171,9 @@ def run_inprocess(index: int, target: Engine, proposer, ids: list[int], max_new_
     async def go():
         drafter, verifier = _LocalDrafter(proposer, params), _LocalVerifier(target, params)
         started = time.perf_counter()
-        async for new in speculate(ids, max_new_tokens, k, set(eos), drafter, verifier, stats):
-            tokens.extend(new)
-            arrivals.extend([time.perf_counter() - started] * len(new))
+        async for commit in speculate(ids, max_new_tokens, k, set(eos), drafter, verifier, stats):
+            tokens.extend(commit.tokens)
+            arrivals.extend([time.perf_counter() - started] * len(commit.tokens))
         wall = time.perf_counter() - started
         drafter.close()
         verifier.close()

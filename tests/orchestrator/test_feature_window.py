@@ -4,7 +4,7 @@ feature drafter's resync, and what it asks the verifier for."""
 import pytest
 
 from orchestrator.pool import FeatureRule
-from orchestrator.speculation import FeatureFeed
+from orchestrator.links import FeatureFeed
 from specdec import features
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument

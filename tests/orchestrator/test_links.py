@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from orchestrator.pool import DrafterPool
-from orchestrator.speculation import Deadline, DrafterLink, Stats, VerifierLink
+from orchestrator.links import Deadline, DrafterLink, VerifierLink
+from orchestrator.stats import Stats
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec.errors import RESYNC_DETAIL
@@ -76,8 +77,8 @@ def verify(stub, history, synced, deadline=Deadline(None)):
 ])
 def test_the_verifier_losing_the_session_costs_a_resync(code, details):
     stub = FakeVerifier(error(code, details), 7)
-    (accepted, token, _), stats = verify(stub, [1, 2, 3, 4], synced=3)
-    assert token == 7 and stats.resyncs == 1
+    verdict, stats = verify(stub, [1, 2, 3, 4], synced=3)
+    assert verdict.next_token == 7 and stats.resyncs == 1
     assert [(r.start, list(r.new_tokens)) for r in stub.requests] == [(3, [4]), (0, [1, 2, 3, 4])]
 
 
@@ -201,7 +202,7 @@ def test_a_decode_that_fails_part_way_goes_on_from_the_tokens_it_gave():
     link.synced = 3
 
     async def go():
-        return [token async for token, _, _ in link.decode([1, 2, 3, 4], 6, {99})]
+        return [step.token async for step in link.decode([1, 2, 3, 4], 6, {99})]
 
     assert asyncio.run(go()) == [5, 6, 7, 8, 9, 10]
     assert [(r.start, list(r.new_tokens), r.max_tokens) for r in stub.requests] == [
@@ -222,7 +223,7 @@ def test_a_decode_says_what_each_pass_s_lookup_drafts_got():
     link = VerifierLink(OnePool(stub), "s", [1, 2], PARAMS, stats, timeout_s=60)
 
     async def go():
-        return [(token, lookup) async for token, _, lookup in link.decode([1, 2], 7, set())]
+        return [(step.token, step.lookup) async for step in link.decode([1, 2], 7, set())]
 
     assert asyncio.run(go()) == [(5, None), (6, None), (7, (3, 2)), (8, None), (9, (1, 0)), (10, None), (11, None)]
     assert (stats.draft_tokens, stats.accepted_tokens) == (5, 3)
@@ -234,10 +235,10 @@ def test_a_decode_the_caller_stops_reading_is_cancelled():
 
     async def go():
         steps = link.decode([1, 2], 4, set())
-        async for token, _, _ in steps:
+        async for step in steps:
             break
         await steps.aclose()
-        return token
+        return step.token
 
     assert asyncio.run(go()) == 5
     assert stub.calls[0].cancelled and link.synced == 3

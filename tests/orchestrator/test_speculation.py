@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
-from orchestrator.speculation import Stats, speculate
+from orchestrator.links import Step, Verdict
+from orchestrator.rounds import speculate
+from orchestrator.stats import Stats
 
 VOCAB = 50
 
@@ -56,14 +58,14 @@ class FakeVerifier:
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == target_next(history + drafts[:accepted]):
             accepted += 1
-        return accepted, target_next(history + drafts[:accepted]), None
+        return Verdict(accepted, target_next(history + drafts[:accepted]), None)
 
     async def decode(self, history, max_tokens, stop, draft_forced=False, draft_lookup=None):
         history = list(history)
         for _ in range(max_tokens):
             await asyncio.sleep(0)
             history.append(target_next(history))
-            yield history[-1], None, None
+            yield Step(history[-1], None)
             if history[-1] in stop:
                 return
 
@@ -120,8 +122,9 @@ def run(prompt, max_new, policy, overlap=False, drafter=None):
 
     async def go():
         out = []
-        async for new in speculate(prompt, max_new, policy, set(), drafter, FakeVerifier(drafter), stats, overlap):
-            out.extend(new)
+        async for commit in speculate(prompt, max_new, policy, set(), drafter, FakeVerifier(drafter), stats,
+                                      overlap):
+            out.extend(commit.tokens)
         return out
 
     return asyncio.run(go()), stats, drafter
