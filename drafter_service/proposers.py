@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 import torch
 
-from specdec import eagle, features as specdec_features, modeling, sampling
+from specdec import eagle, features as specdec_features, model_files, modeling, sampling, sampling_params
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine, PagedSequence, TokenSequence
 from specdec.lookup import suffix_match
@@ -55,7 +55,7 @@ def draw(logits: torch.Tensor, params: common_pb2.SamplingParams, draws: samplin
 
     position = len(history)
     logits = sampling.penalize(logits[None], params, history, columns=output_ids)[0]
-    if sampling.is_greedy(params):
+    if sampling_params.is_greedy(params):
         return int(token_of(sampling.argmax(logits)[0])), None
     p = sampling.probs(logits, params)
     support = torch.topk(p, min(max_support, p.shape[-1]))
@@ -195,7 +195,7 @@ class FeatureProposer(Proposer):
         eos = self.tokenizer.eos_token_id
         return common_pb2.ModelInfo(
             model_name=self.name, vocab_size=self.head.embed_tokens.num_embeddings,
-            vocab_fingerprint=modeling.vocab_fingerprint(self.tokenizer), eos_token_ids=[] if eos is None else [eos],
+            vocab_fingerprint=model_files.vocab_fingerprint(self.tokenizer), eos_token_ids=[] if eos is None else [eos],
             max_positions=int(config.layer.get("max_position_embeddings") or 1 << 20), kind="feature",
             feature_layers=list(self.head.aux_layers), feature_window=self.head.window,
             hidden_size=config.target_hidden)

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from specdec import eagle, features, flags, logs, modeling, sampling, server, tracing
+from specdec import eagle, features, flags, logs, model_files, modeling, sampling_params, server, session_service, tracing
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.errors import InvalidArgument, ServiceError, abort
@@ -21,7 +21,7 @@ log = logging.getLogger("drafter")
 
 
 
-class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
+class DrafterServicer(session_service.SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
     pb = drafter_pb2
 
     def __init__(self):
@@ -53,7 +53,7 @@ class DrafterServicer(server.SessionServicer, drafter_pb2_grpc.DrafterServiceSer
             k = request.num_draft_tokens
             if not 1 <= k <= MAX_DRAFT_TOKENS:
                 raise InvalidArgument("num_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
-            sampling.validate(request.sampling, vocab_size=self.info.vocab_size)
+            sampling_params.validate(request.sampling, vocab_size=self.info.vocab_size)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
             if request.start == 0 and not request.new_tokens:
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
@@ -113,7 +113,7 @@ def make_proposer(args, metrics=None) -> Proposer:
         return NgramProposer(args.ngram_max, args.ngram_min)
     if not args.model:
         raise SystemExit("--proposer model needs --model")
-    path = modeling.resolve(args.model)
+    path = model_files.resolve(args.model)
     if eagle.is_head(path):
         head = eagle.load_head(path, dtype=modeling.DTYPES[args.dtype], device=args.device,
                                window=args.feature_window)
@@ -123,12 +123,12 @@ def make_proposer(args, metrics=None) -> Proposer:
                              f"({len(head.aux_layers)} layers x {head.config.target_hidden}) takes {window_bytes} "
                              f"bytes, more than a message between the services holds ({SERVICE_MESSAGE_BYTES}); "
                              f"lower --feature-window")
-        proposer = FeatureProposer(head, modeling.load_tokenizer(path), args.model, args.threads,
+        proposer = FeatureProposer(head, model_files.load_tokenizer(path), args.model, args.threads,
                                    args.max_draft_support)
     else:
         model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
         output_ids = modeling.restrict_output(model, args.model)
-        proposer = ModelProposer(server.engine(model, args, metrics), tokenizer, args.model,
+        proposer = ModelProposer(session_service.engine(model, args, metrics), tokenizer, args.model,
                                  args.max_draft_support, output_ids)
     if args.proposer == "hybrid":
         return HybridProposer(proposer, NgramProposer(max(args.ngram_max, args.lookup_min_match),
@@ -138,7 +138,7 @@ def make_proposer(args, metrics=None) -> Proposer:
 
 async def serve(args, on_listen=None) -> None:
     tracing.setup("drafter", args.otlp_endpoint)
-    server.prepare_process(args)  # before the model loads (see there)
+    session_service.prepare_process(args)  # before the model loads (see there)
     servicer = DrafterServicer()
     metrics = EngineMetrics("drafter")
     metrics.serve(args.host, args.metrics_port)

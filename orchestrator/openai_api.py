@@ -20,7 +20,7 @@ from aiohttp import web
 from specdec import grammar, security
 from specdec.errors import ServiceError
 from specdec.grammar import JSON_OPTIONS as JSON_SHAPE
-from specdec.sampling import MAX_SAMPLES
+from specdec.sampling_params import MAX_SAMPLES
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger("orchestrator.http")

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 import grpc
 from opentelemetry import context as otel_context, trace
 
-from specdec import grammar, sampling, tracing
+from specdec import grammar, sampling_params, tracing
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 from specdec.verifier.v1 import verifier_pb2
@@ -34,7 +34,7 @@ class Commit:
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
 
     def until_stop(self, stop: set[int]) -> "Commit":
-        tokens = sampling.until_stop(self.tokens, stop)
+        tokens = sampling_params.until_stop(self.tokens, stop)
         return Commit(tokens, self.logprobs[:len(tokens)])
 
 

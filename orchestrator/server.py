@@ -15,7 +15,7 @@ import grpc
 
 from opentelemetry import trace
 
-from specdec import flags, grammar, logs, modeling, sampling, security, server, tracing
+from specdec import defaults, flags, grammar, logs, model_files, sampling_params, security, server, tracing
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Precondition, ServiceError, Unavailable, abort
 from specdec.lookup import OutputMemory
@@ -163,7 +163,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument("max_new_tokens", f"the prompt ({len(prompt)} tokens) plus {max_new} new tokens "
                                                     f"exceeds the model's {self.info.max_positions} positions")
         temperature = r.temperature if r.HasField("temperature") else 0.0
-        sampling.check_temperature("temperature", temperature)
+        sampling_params.check_temperature("temperature", temperature)
         top_p = r.top_p if r.HasField("top_p") else 1.0
         if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
             raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
@@ -183,7 +183,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             output_start=len(prompt))
         if r.HasField("repetition_penalty") and not r.repetition_penalty > 0:
             raise InvalidArgument("repetition_penalty", f"must be in (0, 100], got {r.repetition_penalty}")
-        sampling.check_penalties(params, vocab_size=self.info.vocab_size)
+        sampling_params.check_penalties(params, vocab_size=self.info.vocab_size)
         if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS or (r.top_logprobs and not (r.logprobs or r.prompt_logprobs)):
             raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], with logprobs or "
                                                   f"prompt_logprobs set; got {r.top_logprobs}")
@@ -230,8 +230,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         they come, each marked with its sample's index: sample i draws with seed + i (a
         random seed where the request has none), so a seed reproduces them all. Each is a
         request of its own to admission and the services; a failed one ends them all."""
-        if not 1 <= request.n <= sampling.MAX_SAMPLES:
-            await abort(context, InvalidArgument("n", f"must be in [1, {sampling.MAX_SAMPLES}], got {request.n}"))
+        if not 1 <= request.n <= sampling_params.MAX_SAMPLES:
+            await abort(context, InvalidArgument("n", f"must be in [1, {sampling_params.MAX_SAMPLES}], got {request.n}"))
         seed = request.seed if request.HasField("seed") else random.getrandbits(62)
         events: asyncio.Queue = asyncio.Queue()
         sample_context = _SampleContext(context)
@@ -349,7 +349,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         # depend on its drafts (their distribution does not), and its seed must reproduce them.
         drafter = DrafterLink(self.pool, session_id, req.params, stats, self.limits.drafter_timeout_s,
                               deadline=deadline, metadata=labelled, features=feed,
-                              memory=self.output_memory if sampling.is_greedy(req.params) else None)
+                              memory=self.output_memory if sampling_params.is_greedy(req.params) else None)
         span = tracing.tracer.start_span("Generate", context=tracing.incoming(context), kind=trace.SpanKind.SERVER,
                                          attributes={"request_id": req.label, "session_id": session_id,
                                                      "prompt_tokens": len(req.prompt)})
@@ -362,7 +362,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         req, text, stats, metrics = flight.req, flight.text, flight.stats, self.metrics
         policy = FixedK(req.k) if req.k is not None else AdaptiveK(
             self.costs, self.limits.adaptive_max_k, self.limits.default_k,
-            probes_beside_runs=sampling.is_greedy(req.params), lookup_k_max=self.limits.max_k)
+            probes_beside_runs=sampling_params.is_greedy(req.params), lookup_k_max=self.limits.max_k)
         # The prompt's own log-probabilities: one prefill, before (and whatever) the rounds.
         scored = await flight.verifier.score(req.prompt_top_logprobs) if req.prompt_top_logprobs is not None else []
         rounds = speculate(req.prompt, req.max_new_tokens, policy, set(self.info.eos_token_ids), flight.drafter,
@@ -405,8 +405,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     async def drained(self, wait_s: float = 10.0) -> None:
         """After the last call: the sessions those calls left on the services are released
         before the process goes (else they would wait for the services' idle timeout)."""
+        # A request cut at the end (an HTTP handler the front cancelled) may not have run
+        # its `finish` yet, which starts its sessions' close: wait for it first.
+        deadline = time.monotonic() + wait_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         if self.closing:
-            await asyncio.wait(set(self.closing), timeout=wait_s)
+            await asyncio.wait(set(self.closing), timeout=max(0.1, deadline - time.monotonic()))
 
     async def close_sessions(self, label: str, drafter: DrafterLink, verifier: VerifierLink,
                              history: list[int]) -> None:
@@ -620,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float, default=16.0, help="requests per verifier replica the autoscaler sizes the pool for")
     add(parser, "--autoscale-cooldown", env="SPECDEC_AUTOSCALE_COOLDOWN", type=float, default=30.0,
         help="seconds between two scaling decisions")
-    add(parser, "--tokenizer", env="SPECDEC_ORCHESTRATOR_TOKENIZER", default=modeling.DEFAULT_TARGET,
+    add(parser, "--tokenizer", env="SPECDEC_ORCHESTRATOR_TOKENIZER", default=defaults.DEFAULT_TARGET,
         help="the target's tokenizer (a model directory, hub id or .gguf file)")
     add(parser, "--num-speculative-tokens", env="SPECDEC_NUM_SPECULATIVE_TOKENS", type=int, default=4,
         help="the long K a fresh deployment tries once K = 1 has paid; a request's K then adapts per round")
@@ -683,7 +688,7 @@ async def serve(args, on_listen=None) -> None:
     admin = AdminServicer(servicer)
 
     async def load():
-        tokenizer = await asyncio.to_thread(modeling.load_tokenizer, args.tokenizer)
+        tokenizer = await asyncio.to_thread(model_files.load_tokenizer, args.tokenizer)
         credentials, options = security.channel_credentials(args), security.channel_options(args)
         verifier_source = replica_source(args.verifiers, args.verifier_dns, args.verifier_ray, args)
         verifier_addresses = await verifier_source.addresses()
@@ -691,7 +696,7 @@ async def serve(args, on_listen=None) -> None:
         while not verifier_addresses and time.monotonic() < waited:  # replicas still loading (Ray, DNS)
             await asyncio.sleep(min(1.0, args.drafter_refresh_interval))
             verifier_addresses = await verifier_source.addresses()
-        verifiers = VerifierPool(verifier_addresses, modeling.vocab_fingerprint(tokenizer), args.tokenizer,
+        verifiers = VerifierPool(verifier_addresses, model_files.vocab_fingerprint(tokenizer), args.tokenizer,
                                  credentials, [*CHANNEL_OPTIONS, *options], slack=args.verifier_route_slack,
                                  refresh_s=args.drafter_refresh_interval, metrics=metrics, routing=args.verifier_routing)
         log.info("waiting for a verifier (%s): %s", verifier_source.kind, ", ".join(verifier_addresses) or "none yet")

@@ -11,7 +11,10 @@ Where the constraint acts, by role:
   draws the correction from the masked residual, so the rule stays exact with the
   draft's own q).
 
-A constraint applies to the tokens from its `start` position on (a request's output)."""
+A constraint applies to the tokens from its `start` position on (a request's output).
+
+The masks as tensors are the verifier's alone: torch is imported where they are made, so
+that the orchestrator follows a grammar without the model runtime."""
 
 import collections
 import functools
@@ -19,15 +22,17 @@ import hashlib
 import json
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
-import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from specdec import sampling
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Precondition
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +298,7 @@ class Guide:
         self._bits = None
         return self._take([token])
 
-    def mask(self) -> torch.Tensor:
+    def mask(self) -> "torch.Tensor":
         """[vocab] bool: the tokens the grammar allows next (the eos tokens where it accepts)."""
         return self._unpack(self._packed())
 
@@ -305,10 +310,12 @@ class Guide:
     def _compute(self) -> np.ndarray:
         return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
 
-    def _unpack(self, bits: np.ndarray) -> torch.Tensor:
+    def _unpack(self, bits: np.ndarray) -> "torch.Tensor":
+        import torch
+
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab.vocab_size].astype(bool))
 
-    def masks(self, drafts: list[int]) -> torch.Tensor:
+    def masks(self, drafts: list[int]) -> "torch.Tensor":
         """[len(drafts) + 1, vocab]: the mask after each prefix of the drafts, up to the first
         one the grammar forbids (the rows after it repeat its mask: a round never reaches
         them, the forbidden draft is rejected). The matcher ends where it began."""
@@ -318,15 +325,19 @@ class Guide:
             rows.append(self._unpack(self._compute()))
         rows.extend(rows[-1:] * (len(drafts) - taken))
         self._rollback(end)
+        import torch
+
         return torch.stack(rows)
 
-    def greedy(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    def greedy(self, logits: "torch.Tensor", drafts: list[int]) -> list[int]:
         """Each row's greedy token under the masks `masks(drafts)` gives ([len(drafts) + 1,
         vocab] logits), as argmax(apply(logits, masks)) picks them, applying a row's mask
         only where it forbids the row's first choice: the first of a row's equal maxima,
         where allowed, is the first of those allowed. The mask decides, not
         validate_tokens: where the grammar forces the next bytes, the mask allows only the
         token the tokenizer writes them as (`":`), validate_tokens any prefix of it too (`"`)."""
+        from specdec import sampling
+
         firsts, picks = sampling.argmax(logits), []
         taken, end = self.allowed(drafts), self.end
         bits = self._packed()
@@ -364,6 +375,6 @@ class Guide:
         return self.matcher.get_error()
 
 
-def apply(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+def apply(logits: "torch.Tensor", masks: "torch.Tensor") -> "torch.Tensor":
     """logits [n, vocab] with what the masks [n, vocab] forbid at -inf."""
     return logits.masked_fill(~masks.to(logits.device), float("-inf"))

@@ -1,7 +1,7 @@
 """Prometheus metrics of the three services, each on an HTTP port of its own
 (`--metrics-port`). Names carry the `specdec_` prefix; the speculative-decoding counters
 take vLLM's names (`spec_decode_num_drafts`, `..._num_draft_tokens`,
-`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`). The README's table lists
+`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`). The table in docs/reference.md lists
 them all."""
 
 import logging

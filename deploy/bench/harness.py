@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from deploy import launch
-from specdec import flags, modeling
+from specdec import flags, model_files, modeling
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 DATA = Path(__file__).parent
@@ -284,7 +284,7 @@ def constraint_processor(guide):
 
 
 def gguf_of(target: str) -> str:
-    gguf = modeling.gguf_file(target)
+    gguf = model_files.gguf_file(target)
     if gguf is None:
         raise SystemExit("--llama-cpp needs a GGUF target")
     return gguf

@@ -46,7 +46,7 @@ import grpc
 
 from deploy.bench import harness
 from deploy.bench.harness import percentile
-from specdec import modeling
+from specdec import model_files, modeling
 from specdec.orchestrator.v1 import orchestrator_pb2_grpc
 
 log = logging.getLogger("bench.load")
@@ -296,7 +296,7 @@ def run(args) -> dict:
     if args.llama_cpp:
         variants.append("llama.cpp")
     levels = [int(c) for c in args.concurrency.split(",")]
-    tokenizer = modeling.load_tokenizer(args.target)
+    tokenizer = model_files.load_tokenizer(args.target)
     prompts = [prompt.encode(tokenizer) for prompt in harness.read_prompts(args.prompts)]
     deployments = {"batched": harness.plan(args, args.num_drafters)}
     if "unbatched" in variants:

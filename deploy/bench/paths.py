@@ -19,7 +19,7 @@ import torch
 
 from deploy.bench import harness
 from deploy.bench.engine import pass_seconds
-from specdec import modeling, quantize
+from specdec import model_files, modeling, quantize
 from specdec.engine import Engine, one_thread_outside_engines
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
@@ -65,7 +65,7 @@ def main_with(args) -> int:
         print(line, flush=True)
 
     reference, tokenizer = modeling.load_model(args.target)
-    checkpoint = modeling.resolve(args.target)  # a GGUF target's de-quantized model directory
+    checkpoint = model_files.resolve(args.target)  # a GGUF target's de-quantized model directory
     work = tempfile.TemporaryDirectory()
     cases = [("target (its GGUF file)", args.target, "auto", args.threads)]
     cases += [("target as a checkpoint", checkpoint, m, args.threads) for m in args.methods.split(",") if m]

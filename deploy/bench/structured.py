@@ -46,7 +46,7 @@ import jsonschema
 from deploy.bench import harness
 from deploy.bench.harness import ratio as _x
 from deploy.bench.load import reference_outputs
-from specdec import modeling
+from specdec import model_files
 from specdec.common.v1 import common_pb2
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb
 
@@ -79,7 +79,7 @@ def constrained(stub, text: str, k: int | None, schema: dict | None, max_new_tok
 
 
 def through_specdec(args, workload: list[dict]) -> tuple[list[dict], list[list[int]]]:
-    tokenizer = modeling.load_tokenizer(args.target)
+    tokenizer = model_files.load_tokenizer(args.target)
     with harness.running(harness.plan(args), log_dir=harness.log_dir(args)) as (services,), \
             harness.orchestrator(services) as stub:
 

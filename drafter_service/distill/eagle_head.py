@@ -137,11 +137,11 @@ def step_costs(head_spec: str, target_spec: str, threads: int = 2, repeats: int 
     alternately in one run on `threads` threads: medians in ms, and c, their ratio."""
     import statistics
 
-    from specdec import modeling, quantize
+    from specdec import model_files, modeling, quantize
     from specdec.engine import Engine
 
     torch.set_num_threads(threads)
-    head = eagle.load_head(modeling.resolve(head_spec))
+    head = eagle.load_head(model_files.resolve(head_spec))
     target, _ = modeling.load_model(target_spec)
     engine = Engine(quantize.quantize(target, "auto"), 64 << 20, threads=threads, prefix_caching=False)
     width = len(head.aux_layers) * head.config.target_hidden
@@ -169,7 +169,7 @@ def step_costs(head_spec: str, target_spec: str, threads: int = 2, repeats: int 
 
 
 def main(argv=None):
-    from specdec import modeling
+    from specdec import model_files, modeling
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, help="the data directory of data.py")
@@ -214,7 +214,7 @@ def main(argv=None):
         refs = with_features(target, held_out_reference(target, tokenizer, args.held_out_tokens, prompts=prompts),
                              layers)
         for spec in args.evaluate:
-            head = eagle.load_head(modeling.resolve(spec))
+            head = eagle.load_head(model_files.resolve(spec))
             print(json.dumps({"head": spec, "prompts": len(refs), **evaluate(head, refs, args.steps)}))
         return
     cached = args.work / f"eagle-states-{'-'.join(map(str, layers))}.pt"
@@ -230,10 +230,10 @@ def main(argv=None):
         torch.save(held_out_reference(target, tokenizer, args.held_out_tokens), refs_path)
     refs = with_features(target, torch.load(refs_path), layers)
 
-    vocab = torch.tensor(json.loads((Path(modeling.resolve(args.vocab_from)) / "draft_vocab.json").read_text())
+    vocab = torch.tensor(json.loads((Path(model_files.resolve(args.vocab_from)) / "draft_vocab.json").read_text())
                          ["token_ids"])
     if args.init:
-        head = eagle.load_head(modeling.resolve(args.init), window=args.window).train()
+        head = eagle.load_head(model_files.resolve(args.init), window=args.window).train()
         if not torch.equal(head.token_ids.cpu(), vocab):
             raise SystemExit(f"--init {args.init}: its draft vocabulary is not --vocab-from's")
     else:

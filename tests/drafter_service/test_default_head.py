@@ -7,14 +7,14 @@ import torch
 from drafter_service.distill import prompts
 from drafter_service.distill.data import chat_ids
 from drafter_service.distill.eagle_head import target_states
-from specdec import eagle, modeling
+from specdec import eagle, model_files, modeling
 
 HEAD = "smollm2-135m-eagle3"
 
 
 def test_the_shipped_head_drafts_what_the_target_says_on_held_out_prompts():
     target, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
-    head = eagle.load_head(modeling.resolve(HEAD))
+    head = eagle.load_head(model_files.resolve(HEAD))
     assert head.embed_tokens.weight.dtype == torch.float32
     torch.testing.assert_close(head.embed_tokens.weight, target.model.embed_tokens.weight, rtol=1e-3, atol=1e-3)
     agree = total = 0

@@ -11,7 +11,7 @@ import pytest
 
 from cluster import Cluster, Stream, as_tested, chat_ids, drafter, eventually, generate, orchestrator, pb, \
     reference, verifier
-from specdec import modeling
+from specdec import model_files, modeling
 from specdec.common.v1 import common_pb2
 from specdec.drafter.v1 import drafter_pb2
 from specdec.verifier.v1 import verifier_pb2
@@ -31,8 +31,8 @@ def deployment():
     heads = [drafter(HEAD, "drafter-head-a"), drafter(HEAD, "drafter-head-b")]
     try:
         cluster.start(v, *heads)
-        one = orchestrator(v, heads[:1], modeling.resolve(target), "orchestrator-head")
-        two = orchestrator(v, heads, modeling.resolve(target), "orchestrator-two-heads")
+        one = orchestrator(v, heads[:1], model_files.resolve(target), "orchestrator-head")
+        two = orchestrator(v, heads, model_files.resolve(target), "orchestrator-two-heads")
         cluster.start(one, two)
         cluster.roles = {"verifier": v, "heads": heads, "one": one, "two": two}
         yield cluster

@@ -9,15 +9,15 @@ from orchestrator import warmup
 from orchestrator.kpolicy import AdaptiveK, RoundCosts
 from orchestrator.pool import DrafterPool
 from orchestrator.verifiers import VerifierPool
-from specdec import modeling
+from specdec import model_files
 
 K_START = 3
 
 
 async def warm(cluster, target_dir, drafter_name: str, costs: RoundCosts) -> None:
     verifier, drafter = cluster.roles["verifier"], cluster.roles[drafter_name]
-    tokenizer = modeling.load_tokenizer(str(target_dir))
-    verifiers = VerifierPool([verifier.address], modeling.vocab_fingerprint(tokenizer), str(target_dir))
+    tokenizer = model_files.load_tokenizer(str(target_dir))
+    verifiers = VerifierPool([verifier.address], model_files.vocab_fingerprint(tokenizer), str(target_dir))
     info = await verifiers.start(60)
     drafters = DrafterPool([drafter.address], info.vocab_fingerprint, info.model_name)
     for replica in drafters.replicas.values():

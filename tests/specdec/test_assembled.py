@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from specdec import modeling
+from specdec import model_files, modeling
 
 
 def test_borrowing_directory_is_assembled_and_follows_its_files(tiny_pair, tmp_path, monkeypatch):
@@ -22,16 +22,16 @@ def test_borrowing_directory_is_assembled_and_follows_its_files(tiny_pair, tmp_p
         {"from": str(target_dir), "tensors": ["model.embed_tokens.weight"], "tokenizer": True}))
     (partial / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, 2, 5, 7]}))
 
-    first = modeling.resolve(str(partial))
-    assert first == modeling.resolve(str(partial))  # cached
+    first = model_files.resolve(str(partial))
+    assert first == model_files.resolve(str(partial))  # cached
     model, tokenizer = modeling.load_model(str(partial))
-    assert modeling.vocab_fingerprint(tokenizer) == modeling.vocab_fingerprint(modeling.load_tokenizer(str(target_dir)))
+    assert model_files.vocab_fingerprint(tokenizer) == model_files.vocab_fingerprint(model_files.load_tokenizer(str(target_dir)))
     ids = torch.tensor([[5, 9, 11, 3]])
     with torch.inference_mode():
         assert torch.allclose(model(ids).logits, target(ids).logits, atol=1e-5)
     assert modeling.restrict_output(model, str(partial)).tolist() == [0, 2, 5, 7]
 
     (partial / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, 2, 5]}))
-    assert modeling.resolve(str(partial)) != first
+    assert model_files.resolve(str(partial)) != first
     model, _ = modeling.load_model(str(partial))
     assert modeling.restrict_output(model, str(partial)).tolist() == [0, 2, 5]

@@ -451,7 +451,7 @@ def test_a_decode_closed_at_its_yield_stops_before_its_closer_returns(models):
     verifier's decode generators must close the engine's decoding with them, so that
     nothing appends to the session once the next call may hold it."""
     from specdec.verifier.v1 import verifier_pb2
-    from verifier_service.acceptance import decode
+    from verifier_service.runs import decode
 
     eng = engine(models)
     seq, other = eng.new_sequence(), eng.new_sequence()
@@ -461,7 +461,7 @@ def test_a_decode_closed_at_its_yield_stops_before_its_closer_returns(models):
 
     async def go():
         stream = decode(seq, request, 4096)
-        got = [(await anext(stream))[0] for _ in range(3)]
+        got = [(await anext(stream)).token for _ in range(3)]
         await stream.aclose()  # GeneratorExit at its yield, as a cancelled call's stream gets
         assert not eng.queue
         held = len(seq.tokens)
@@ -878,10 +878,8 @@ def test_decode_drafts_lookup_matches_within_its_run_and_keeps_the_targets_token
     occurred before, what followed it is drafted into the next pass and checked there;
     the tokens are the target alone's, and the notes count the drafts kept and rejected.
     Without it, a run drafts nothing."""
-    from collections import deque
-
     from specdec.verifier.v1 import verifier_pb2
-    from verifier_service.acceptance import decode
+    from verifier_service.runs import decode
 
     prompt = tokens(8, 21)  # the tiny model's greedy answer falls into loops: lookup drafts them
     want = greedy_reference(models, prompt, 64)
@@ -890,26 +888,26 @@ def test_decode_drafts_lookup_matches_within_its_run_and_keeps_the_targets_token
     session = SimpleNamespace(lookup_passed=None, lookup_index=None)  # the session's lookup state
 
     async def run(**fields):
-        seq, notes = engine(models).new_sequence(), deque()
+        seq = engine(models).new_sequence()
         request = verifier_pb2.DecodeRequest(start=0, new_tokens=prompt, max_tokens=64, **fields)
-        got = [token async for token, _, _ in decode(seq, request, 4096, None, notes, session)]
-        outcomes.extend(notes)
-        return got, sum(kept for kept, _, _, _ in notes), sum(rejected for _, rejected, _, _ in notes)
+        picked = [p async for p in decode(seq, request, 4096, None, session)]
+        outcomes.extend(picked)
+        return [p.token for p in picked], sum(p.drafted for p in picked), sum(p.rejected for p in picked)
 
     outcomes = []
     got, kept, rejected = asyncio.run(run(draft_lookup=rule))
     assert got == want
     assert kept >= 4, (kept, rejected)  # the loops' drafts pass (how many a loop's end rejects: the numerics')
     # Each pass that drafted says so on its own token: a rejection is always on one.
-    assert any(by_lookup for _, _, _, by_lookup in outcomes)
-    assert all(by_lookup for _, rejected, _, by_lookup in outcomes if rejected)
-    assert not any(by_lookup and was_draft for was_draft, _, _, by_lookup in outcomes)
+    assert any(p.by_lookup for p in outcomes)
+    assert all(p.by_lookup for p in outcomes if p.rejected)
+    assert not any(p.by_lookup and p.drafted for p in outcomes)
     outcomes.clear()
     assert session.lookup_passed is not None  # the request's next run starts from it
     held = session.lookup_index.tokens  # the next call of the request adds to it what it lacks
     assert len(held) > len(prompt) and held == (prompt + want)[:len(held)]
     assert asyncio.run(run()) == (want, 0, 0)
-    assert not any(by_lookup for _, _, _, by_lookup in outcomes)
+    assert not any(p.by_lookup for p in outcomes)
 
 
 def test_decodes_sharing_passes_wake_their_loop_once_a_pass_with_every_token(models):

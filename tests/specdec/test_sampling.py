@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from specdec import sampling
+from specdec import sampling, sampling_params
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 
@@ -43,7 +43,7 @@ def test_probs_match_transformers(temperature, top_k, top_p):
 ])
 def test_validate_names_the_field(field, kwargs):
     with pytest.raises(InvalidArgument) as err:
-        sampling.validate(common_pb2.SamplingParams(**kwargs), vocab_size=50)
+        sampling_params.validate(common_pb2.SamplingParams(**kwargs), vocab_size=50)
     assert err.value.field == field
 
 

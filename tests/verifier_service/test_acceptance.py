@@ -103,7 +103,7 @@ def test_a_matcher_that_failed_with_no_new_token_is_invalid_argument_not_an_inde
     from specdec import grammar
     from specdec.common.v1 import common_pb2
     from specdec.errors import InvalidArgument
-    from verifier_service.acceptance import constrained
+    from verifier_service.passes import constrained
 
     vocab = grammar.Vocabulary(smol_tokenizer, len(smol_tokenizer), [2])
     guide = vocab.guide(common_pb2.Constraint(json_schema=json.dumps({"type": "integer"})), 1)

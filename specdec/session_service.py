@@ -1,0 +1,92 @@
+"""What the services that run a model (the drafter and the verifier) share: the process
+set up before the model loads, the model's batching engine, and the servicer of their
+sessions (health, model info, close, list)."""
+
+import contextlib
+import logging
+import time
+
+from specdec import logs
+from specdec.common.v1 import common_pb2
+from specdec.engine import Engine, one_thread_outside_engines, reproducible_blas
+from specdec.errors import RESYNC_DETAIL, Internal, ServiceError, Unavailable, abort
+from specdec.quantize import quantize
+from specdec.sessions import Session, SessionStore
+
+log = logging.getLogger(__name__)
+
+
+def prepare_process(args) -> None:
+    """What a session service's process sets before its model loads: its threads outside
+    the engine on one core each, and, for batch-invariant passes, MKL's reproducible mode
+    (see each)."""
+    one_thread_outside_engines()
+    if args.batch_invariant:
+        reproducible_blas()
+
+
+def engine(model, args, metrics=None) -> Engine:
+    """The model's batching engine, sized by the session-service flags (and the model
+    quantized as they say: the drafter cuts its output head first). --cuda-graphs is for
+    a model on a GPU: a deployment passes it to every service, and one whose model is on a
+    CPU runs its passes the usual way (the same padded passes, run eagerly, are slower)."""
+    graphs = args.cuda_graphs
+    if graphs != "off" and model.device.type != "cuda":
+        log.warning("--cuda-graphs %s: the model is on %s, its passes run the usual way", graphs, model.device)
+        graphs = "off"
+    return Engine(quantize(model, args.quantize), args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens,
+                  args.max_waiting_sessions, threads=args.threads, metrics=metrics, prefix_caching=args.prefix_caching,
+                  cuda_graphs=graphs, batch_invariant=args.batch_invariant)
+
+
+class SessionServicer:
+    """What the drafter and verifier servicers share. Registered before the model loads
+    (health answers NOT_SERVING meanwhile); calls made before `ready` get UNAVAILABLE.
+    `pb` is the service's generated module (its CloseSession/GetModelInfo messages)."""
+
+    pb = None
+
+    def __init__(self):
+        self.info: common_pb2.ModelInfo | None = None
+        self.store: SessionStore | None = None
+
+    def ready(self, info: common_pb2.ModelInfo, store: SessionStore, metrics=None) -> None:
+        self.info, self.store = info, store
+        if metrics is not None:
+            metrics.sessions.set_function(lambda: len(store))
+
+    def check_ready(self) -> None:
+        if self.info is None:
+            raise Unavailable("the model is still loading")
+
+    @contextlib.asynccontextmanager
+    async def model_work(self, session: Session):
+        """Holds the session for a call's model work. A failure that is not the
+        caller's (a forward pass that raised, out of memory) drops the session: its
+        tokens and cache are in doubt, and the caller resends it from start 0."""
+        async with session.lock:
+            try:
+                yield session.state
+            except ServiceError:
+                raise
+            except Exception as err:
+                log.exception("session %s: model work failed; dropping the session", session.id)
+                self.store.close(session.id)
+                raise Internal(f"{type(err).__name__}: {err}; the session was dropped, {RESYNC_DETAIL}") from err
+
+    async def ListSessions(self, request, context):
+        now = time.monotonic()
+        sessions = list(self.store.sessions.values()) if self.store is not None else []
+        return self.pb.ListSessionsResponse(sessions=[
+            common_pb2.SessionInfo(session_id=s.id, tokens=len(s.state.tokens), idle_seconds=now - s.last_used)
+            for s in sessions])
+
+    async def CloseSession(self, request, context):
+        logs.bind_from(context, request.session_id)
+        closed = self.store is not None and self.store.close(request.session_id)
+        return self.pb.CloseSessionResponse(closed=closed)
+
+    async def GetModelInfo(self, request, context):
+        if self.info is None:
+            await abort(context, Unavailable("the model is still loading"))
+        return self.pb.GetModelInfoResponse(info=self.info)
