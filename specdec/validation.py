@@ -4,6 +4,7 @@ from specdec.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 
 MAX_DRAFT_TOKENS = 64  # drafts one call may carry or ask for (Propose, Verify, a run's lookup)
+MAX_TOP_LOGPROBS = 20  # most likely tokens a position's log-probabilities list (OpenAI's bound)
 
 
 def check_token_ids(field: str, ids, vocab_size: int) -> None:

@@ -15,7 +15,7 @@ from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
 from specdec.wire import SERVICE_MESSAGE_BYTES
-from specdec.validation import MAX_DRAFT_TOKENS, check_length, check_token_ids
+from specdec.validation import MAX_DRAFT_TOKENS, MAX_TOP_LOGPROBS, check_length, check_token_ids
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.passes import score, verify
 from verifier_service.runs import decode
@@ -34,7 +34,6 @@ def batch_pass(done) -> verifier_pb2.BatchPass:
                                   free_kv_blocks=done.free_blocks, waiting_sessions=done.waiting)
 
 
-MAX_TOP_LOGPROBS = 20
 
 
 def check_top_logprobs(top: int) -> None:

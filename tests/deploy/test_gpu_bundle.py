@@ -1,4 +1,4 @@
-"""deploy/gpu_bundle.py's unpack, as a lent GPU machine runs it: what two calls carried
+"""tools/gpu_bundle.py's unpack, as a lent GPU machine runs it: what two calls carried
 becomes the default target's package, in either order, and parts that do not make the
 file are refused."""
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy import gpu_bundle
+from tools import gpu_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def carried(tmp_path: Path, data: bytes, cut: int, digest: str | None = None) ->
 
 
 def unpack(tmp_path: Path, *dirs: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.gpu_bundle", "unpack", *map(str, dirs)], cwd=tmp_path,
+    return subprocess.run([sys.executable, "-m", "tools.gpu_bundle", "unpack", *map(str, dirs)], cwd=tmp_path,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
 
 

@@ -5,8 +5,8 @@ measured value (see the model card), not a benchmark."""
 
 import torch
 
-from drafter_service.distill.data import chat_ids
-from drafter_service.distill.prompts import HELD_OUT
+from tools.distill.data import chat_ids
+from tools.distill.prompts import HELD_OUT
 from specdec import model_files, modeling
 
 FLOOR = 0.15  # measured 0.271 here (52 of 192); untrained, the same layers score about 0.05

@@ -4,9 +4,9 @@ target's greedy token above a floor (its model card: 0.45 on 16 prompts x 128 to
 
 import torch
 
-from drafter_service.distill import prompts
-from drafter_service.distill.data import chat_ids
-from drafter_service.distill.eagle_head import target_states
+from tools.distill import prompts
+from tools.distill.data import chat_ids
+from tools.distill.eagle_head import target_states
 from specdec import eagle, model_files, modeling
 
 HEAD = "smollm2-135m-eagle3"

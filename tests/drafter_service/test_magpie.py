@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from drafter_service.distill import data, prompts
+from tools.distill import data, prompts
 
 
 class Replay:

@@ -2,7 +2,7 @@
 shapes, as a CUDA graph replays it, run eagerly here on the CPU. The padding, the
 bucket's read table and the write slots must leave the engine's results and every
 session's cache as the usual pass leaves them; batch-invariant passes must give a row the
-same bits whatever else its pass holds. deploy/gpu_check.py runs the captured graphs."""
+same bits whatever else its pass holds. tools/gpu_check.py runs the captured graphs."""
 
 import ast
 import os

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from drafter_service.distill import prompts as prompt_sets
+from tools.distill import prompts as prompt_sets
 
 log = logging.getLogger(__name__)
 

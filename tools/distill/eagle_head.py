@@ -1,5 +1,5 @@
 """Trains an EAGLE-3 head (specdec.eagle) for a target from the distillation data:
-`python -m drafter_service.distill.eagle_head --work /tmp/distill --out DIR --minutes 35`.
+`python -m tools.distill.eagle_head --work /tmp/distill --out DIR --minutes 35`.
 
 Data: the chat records of data.py (the target's own answers to the training prompts).
 The target runs once over each record; its residual stream at the head's layers (the
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from drafter_service.distill import data
-from drafter_service.distill.train import held_out_reference
+from tools.distill import data
+from tools.distill.train import held_out_reference
 from specdec import eagle
 
 log = logging.getLogger(__name__)

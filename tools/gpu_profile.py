@@ -1,5 +1,5 @@
 """Where a static pass's time goes on a GPU: the CUDA kernels of one bucket's pass (eager,
-as the graph captures them), by total time. `python -m deploy.gpu_profile [OUT]`"""
+as the graph captures them), by total time. `python -m tools.gpu_profile [OUT]`"""
 
 import os
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from deploy.gpu_check import model
+from tools.gpu_check import model
 from specdec.engine import Engine
 
 

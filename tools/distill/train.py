@@ -1,4 +1,4 @@
-"""Distil a draft model from the target: `python -m drafter_service.distill.train`.
+"""Distil a draft model from the target: `python -m tools.distill.train`.
 
 The draft is the target's embedding, its first `--layers` decoder layers (trained), its
 final norm (trained) and its tied output head. Only the trained layers and norm are
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from drafter_service.distill import data, prompts as prompt_sets
+from tools.distill import data, prompts as prompt_sets
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def main(argv=None):
     served_index[served] = torch.arange(len(served))
     served_result = acceptance(student.eval(), embed[served], served, served_index, refs)
     log.info("held-out drafting from the %d most used tokens: %s", len(served), served_result)
-    meta = {"command": " ".join(["python -m drafter_service.distill.train"] + (argv or sys.argv[1:])),
+    meta = {"command": " ".join(["python -m tools.distill.train"] + (argv or sys.argv[1:])),
             "layers": args.layers, "vocab": len(vocab), "served_vocab": len(served),
             "steps": step, "epochs": step / steps_per_epoch,
             "minutes": round((time.monotonic() - started) / 60, 1),

@@ -1,0 +1,1 @@
+"""Developer tools beside the product (not installed): tools/README.md."""
