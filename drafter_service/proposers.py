@@ -3,7 +3,9 @@
 A proposer keeps nothing between calls except the per-session TokenSequence the service
 hands it; the service syncs that sequence with the committed history before `propose`.
 A model proposer runs its steps through the batching engine, so the draft steps of
-sessions drafting at the same time share forward passes."""
+sessions drafting at the same time share forward passes. Prompt lookup is not drafted
+here: a drafter reports its rule (`with_lookup_rule`) and the orchestrator, which owns
+the history, drafts those rounds itself."""
 
 import abc
 import os
@@ -15,7 +17,6 @@ import torch
 from specdec import eagle, features as specdec_features, model_files, modeling, sampling, sampling_params
 from specdec.common.v1 import common_pb2
 from specdec.engine import Engine, PagedSequence, TokenSequence
-from specdec.lookup import suffix_match
 
 # One draft token, and the sparse distribution it was sampled from (None: one-hot).
 Draft = tuple[int, common_pb2.SparseDistribution | None]
@@ -30,10 +31,6 @@ class Proposer(abc.ABC):
 
     def release(self, seq: TokenSequence) -> None:
         """A session closed: give back what its sequence holds."""
-
-    def by_model(self) -> "Proposer | None":
-        """The proposer that drafts with the model alone (None: there is no model)."""
-        return None
 
     def take_features(self, seq: TokenSequence, features: common_pb2.Features) -> None:
         """The target's features of committed positions, for a proposer that drafts from
@@ -90,9 +87,6 @@ class ModelProposer(Proposer):
 
     def release(self, seq: PagedSequence) -> None:
         self.engine.release(seq)
-
-    def by_model(self) -> Proposer:
-        return self
 
     async def propose(self, seq: PagedSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
         draws = sampling.Draws(params.seed, "draft")
@@ -203,9 +197,6 @@ class FeatureProposer(Proposer):
     def new_sequence(self) -> FeatureSequence:
         return FeatureSequence()
 
-    def by_model(self) -> Proposer:
-        return self
-
     def take_features(self, seq: FeatureSequence, features: common_pb2.Features) -> None:
         if not features.rows:
             return
@@ -256,68 +247,26 @@ class FeatureProposer(Proposer):
             seq.cache.crop(seq.real)
 
 
-class NgramProposer(Proposer):
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
-    (longest n first) and propose the tokens that followed it. No model, no
-    probabilities: q is one-hot, and the verifier's rule still holds."""
-
-    def __init__(self, max_n: int = 4, min_n: int = 1):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= ngram min ({min_n}) <= ngram max ({max_n})")
-        self.max_n, self.min_n = max_n, min_n
+class NoModel(Proposer):
+    """A drafter without a model (--proposer ngram): it drafts nothing itself. The
+    orchestrator owns the history and drafts lookup rounds from it by the rule this
+    drafter reports (specdec.lookup), so a lookup costs no call."""
 
     def info(self) -> common_pb2.ModelInfo:
-        return common_pb2.ModelInfo(model_name="ngram", max_positions=1 << 30, kind="ngram",
-                                    lookup_min_match=self.min_n, lookup_max_match=self.max_n)
+        return common_pb2.ModelInfo(model_name="ngram", max_positions=1 << 30, kind="ngram")
 
     def new_sequence(self) -> TokenSequence:
         return TokenSequence()
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        return suffix_match(tokens, k, self.max_n, self.min_n)
-
     async def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
-        for token in self.lookup(seq.tokens, k):
-            seq.extend([token])
-            yield token, None
+        return
+        yield
 
 
-class HybridProposer(Proposer):
-    """Prompt lookup when the context holds a long match, the model's draft otherwise,
-    chosen per round. Where the output copies its context (edit this text, fix this
-    code, extract these fields) a long match predicts a long run at no cost; elsewhere a
-    short match mostly predicts wrong, and the model drafts better (SuffixDecoding, Oliaro
-    et al. 2024, makes the same split with a suffix tree and match scores). A lookup round
-    sends one-hot q, a model round what the model sends: within a round all drafts come
-    from one source, and the verifier's rule holds for either."""
-
-    def __init__(self, model: "ModelProposer | FeatureProposer", lookup: NgramProposer):
-        self.model, self.lookup = model, lookup
-
-    def info(self) -> common_pb2.ModelInfo:
-        info = self.model.info()
-        info.kind = "hybrid"
-        info.lookup_min_match, info.lookup_max_match = self.lookup.min_n, self.lookup.max_n
-        return info
-
-    def new_sequence(self) -> PagedSequence:
-        return self.model.new_sequence()
-
-    def release(self, seq: PagedSequence) -> None:
-        self.model.release(seq)
-
-    def by_model(self) -> Proposer:
-        return self.model
-
-    def take_features(self, seq: TokenSequence, features: common_pb2.Features) -> None:
-        self.model.take_features(seq, features)
-
-    async def propose(self, seq: PagedSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
-        found = self.lookup.lookup(seq.tokens, k)
-        if found:
-            for token in found:  # the model's cache catches up with them at its next step
-                seq.extend([token])
-                yield token, None
-            return
-        async for draft in self.model.propose(seq, k, params):
-            yield draft
+def with_lookup_rule(info: common_pb2.ModelInfo, kind: str, min_n: int, max_n: int) -> common_pb2.ModelInfo:
+    """The proposer's info, reporting the prompt-lookup rule the orchestrator drafts by:
+    the shortest and longest suffix it matches."""
+    reported = common_pb2.ModelInfo()
+    reported.CopyFrom(info)
+    reported.kind, reported.lookup_min_match, reported.lookup_max_match = kind, min_n, max_n
+    return reported

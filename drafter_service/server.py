@@ -15,7 +15,7 @@ from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
 from specdec.wire import MESSAGE_SLACK_BYTES, SERVICE_MESSAGE_BYTES
 from specdec.validation import MAX_DRAFT_TOKENS, check_length, check_token_ids
-from drafter_service.proposers import FeatureProposer, HybridProposer, ModelProposer, NgramProposer, Proposer
+from drafter_service.proposers import FeatureProposer, ModelProposer, NoModel, Proposer, with_lookup_rule
 
 log = logging.getLogger("drafter")
 
@@ -28,9 +28,11 @@ class DrafterServicer(session_service.SessionServicer, drafter_pb2_grpc.DrafterS
         super().__init__()
         self.proposer: Proposer | None = None
 
-    def ready(self, proposer: Proposer, store: SessionStore, metrics=None) -> None:
+    def ready(self, proposer: Proposer, store: SessionStore, metrics=None,
+              info: common_pb2.ModelInfo | None = None) -> None:
+        """Serves `proposer`, reporting `info` (default: the proposer's own; see `reported`)."""
         self.proposer = proposer
-        super().ready(proposer.info(), store, metrics)
+        super().ready(info or proposer.info(), store, metrics)
 
     def check_features(self, request: drafter_pb2.ProposeRequest) -> None:
         """INVALID_ARGUMENT naming the field unless the features are of committed
@@ -66,12 +68,9 @@ class DrafterServicer(session_service.SessionServicer, drafter_pb2_grpc.DrafterS
                     seq.sync(request.start, list(request.new_tokens))
                     self.proposer.take_features(seq, request.features)
                     k = min(k, self.info.max_positions - len(seq.tokens))
-                    proposer = self.proposer.by_model() if request.model_drafts else self.proposer
-                    if proposer is None:
-                        return  # no model to draft with
                     response = drafter_pb2.ProposeResponse()
                     # Closed before the session is let go, wherever the call stops.
-                    async with contextlib.aclosing(proposer.propose(seq, k, request.sampling)) as drafts:
+                    async with contextlib.aclosing(self.proposer.propose(seq, k, request.sampling)) as drafts:
                         async for token, q in drafts:
                             response.token_ids.append(token)
                             if q is not None:
@@ -88,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(parser, "--proposer", env="SPECDEC_DRAFTER_PROPOSER", default="hybrid",
               choices=["model", "ngram", "hybrid"],
               help="model: a small causal LM (--model); ngram: prompt lookup, no model; hybrid: prompt lookup "
-                   "when the context holds a match of --lookup-min-match tokens, the model otherwise")
+                   "when the context holds a match of --lookup-min-match tokens, the model otherwise (the "
+                   "orchestrator drafts lookup rounds from its history by the rule this drafter reports)")
     flags.add(parser, "--model", env="SPECDEC_DRAFTER_MODEL", default=modeling.DEFAULT_DRAFT,
               help="draft model: a directory, a hub id or a .gguf file (with --proposer model or hybrid), or an "
                    "EAGLE-3 head's directory (it drafts from the target's features); the default is the draft "
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_proposer(args, metrics=None) -> Proposer:
     if args.proposer == "ngram":
-        return NgramProposer(args.ngram_max, args.ngram_min)
+        return NoModel()
     if not args.model:
         raise SystemExit("--proposer model needs --model")
     path = model_files.resolve(args.model)
@@ -130,13 +130,32 @@ def make_proposer(args, metrics=None) -> Proposer:
         output_ids = modeling.restrict_output(model, args.model)
         proposer = ModelProposer(session_service.engine(model, args, metrics), tokenizer, args.model,
                                  args.max_draft_support, output_ids)
-    if args.proposer == "hybrid":
-        return HybridProposer(proposer, NgramProposer(max(args.ngram_max, args.lookup_min_match),
-                                                      args.lookup_min_match))
     return proposer
 
 
+def lookup_rule(args) -> tuple[int, int] | None:
+    """The (shortest, longest) suffix match the orchestrator drafts lookup rounds by, for
+    --proposer ngram and hybrid; refused at start unless 1 <= shortest <= longest."""
+    if args.proposer == "ngram":
+        rule = args.ngram_min, args.ngram_max
+    elif args.proposer == "hybrid":
+        rule = args.lookup_min_match, max(args.ngram_max, args.lookup_min_match)
+    else:
+        return None
+    if not 1 <= rule[0] <= rule[1]:
+        raise SystemExit(f"specdec-drafter: the lookup rule needs 1 <= the shortest match ({rule[0]}) <= the "
+                         f"longest ({rule[1]}): see --ngram-min, --ngram-max and --lookup-min-match")
+    return rule
+
+
+def reported(proposer: Proposer, args) -> common_pb2.ModelInfo:
+    """What this drafter reports: its proposer's info and its lookup rule, if any."""
+    rule = lookup_rule(args)
+    return proposer.info() if rule is None else with_lookup_rule(proposer.info(), args.proposer, *rule)
+
+
 async def serve(args, on_listen=None) -> None:
+    lookup_rule(args)  # a bad rule is refused before the model loads
     tracing.setup("drafter", args.otlp_endpoint)
     session_service.prepare_process(args)  # before the model loads (see there)
     servicer = DrafterServicer()
@@ -157,7 +176,7 @@ async def serve(args, on_listen=None) -> None:
             pass
         proposer.release(seq)
         servicer.ready(proposer, SessionStore(proposer.new_sequence, args.max_sessions, args.session_idle_timeout,
-                                              release=proposer.release), metrics)
+                                              release=proposer.release), metrics, info=reported(proposer, args))
 
     await server.serve(
         message_bytes=SERVICE_MESSAGE_BYTES,

@@ -381,7 +381,7 @@ class DrafterLink:
             features = self._features_for(committed)
             request = drafter_pb2.ProposeRequest(
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
-                num_draft_tokens=k, sampling=self.params, model_drafts=True, features=features)
+                num_draft_tokens=k, sampling=self.params, features=features)
             drafts, qs = [], []
             try:
                 async for run in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s),

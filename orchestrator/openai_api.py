@@ -6,7 +6,7 @@ may carry `top_k`, `repetition_penalty` (vLLM's) and `specdec: {"num_speculative
 `specdec`: the request's speculation statistics."""
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import json
 import logging
 import math
@@ -195,13 +195,7 @@ class OpenAIFront:
     def _request(self, body: dict, max_tokens_field: str = "max_tokens") -> pb.GenerateRequest:
         """The GenerateRequest of the common sampling fields (the prompt is set by the caller)."""
         request = pb.GenerateRequest(request_id=str(_field(body, "user", str, "") or ""))
-        if max_tokens_field == "max_tokens":  # completions: logprobs is the number of top tokens
-            top = _integer(body, "logprobs", 0, INT32)
-            if top is not None:
-                request.logprobs, request.top_logprobs = True, top
-        else:  # chat: logprobs a flag, top_logprobs the number
-            request.logprobs = bool(_field(body, "logprobs", bool, False))
-            request.top_logprobs = _integer(body, "top_logprobs", 0, INT32, 0)
+        _logprob_fields(body, request, chat=max_tokens_field != "max_tokens")
         max_tokens = _integer(body, max_tokens_field, -INT32, INT32)
         if max_tokens is None and max_tokens_field != "max_tokens":
             max_tokens = _integer(body, "max_tokens", -INT32, INT32)
@@ -211,25 +205,12 @@ class OpenAIFront:
             value = _number(body, name)
             if value is not None:
                 setattr(request, name, value)
-        top_k = _integer(body, "top_k", -INT32, INT32)
-        if top_k is not None:
-            request.top_k = top_k
-        bias = _field(body, "logit_bias", dict, {})
-        for token, value in bias.items():
-            if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 9) \
-                    or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "logit_bias: maps token ids (as strings) to numbers",
-                              "logit_bias")
-            request.logit_bias[int(token)] = float(value)
-        seed = _integer(body, "seed", 0, UINT64)
-        if seed is not None:
-            request.seed = seed
-        stop = _field(body, "stop", (str, list))
-        if stop is not None:
-            stops = [stop] if isinstance(stop, str) else stop
-            if not all(isinstance(s, str) for s in stops):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "stop: strings only", "stop")
-            request.stop.extend(stops)
+        for name, low, high in (("top_k", -INT32, INT32), ("seed", 0, UINT64)):
+            value = _integer(body, name, low, high)
+            if value is not None:
+                setattr(request, name, value)
+        _logit_bias(body, request)
+        _stops(body, request)
         _constraint(body, request)
         extension = _field(body, "specdec", dict, {}) or {}
         k = _integer(extension, "num_speculative_tokens", -INT32, INT32, field="specdec.num_speculative_tokens")
@@ -322,11 +303,8 @@ class OpenAIFront:
         usage = {"prompt_tokens": results[0].usage.prompt_tokens,
                  "completion_tokens": sum(r.usage.completion_tokens for r in results)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return web.json_response({"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                                  "object": "chat.completion" if chat else "text_completion",
-                                  "created": int(time.time()), "model": self.model_name,
-                                  "choices": [choice for choice, _ in answers], "usage": usage,
-                                  "specdec": [_stats(r) for r in results]})
+        return web.json_response({**self._head(chat), "choices": [choice for choice, _ in answers],
+                                  "usage": usage, "specdec": [_stats(r) for r in results]})
 
     async def _choice(self, events, chat: bool, asked: bool, tools: set[str] | None, index: int = 0,
                       echo: Echo | None = None) -> tuple[dict, pb.Result]:
@@ -378,87 +356,119 @@ class OpenAIFront:
                                          for e in entries],
                 "text_offset": offsets}
 
+    def _head(self, chat: bool, chunk: bool = False) -> dict:
+        """The fields every answer (or streamed chunk) of one request starts with."""
+        kind = ("chat.completion" + (".chunk" if chunk else "")) if chat else "text_completion"
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+                "created": int(time.time()), "model": self.model_name}
+
     async def _answer(self, request: web.Request, events, chat: bool, stream: bool,
                       usage_in_stream: bool, asked: bool = False, tools: set[str] | None = None,
                       choices: int = 1, echo: Echo | None = None) -> web.StreamResponse:
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
         if not stream:
             choice, result = await self._choice(events, chat, asked, tools, echo=echo)
-            return web.json_response({"id": ident, "object": kind, "created": created, "model": self.model_name,
-                                      "choices": [choice], "usage": _usage(result), "specdec": _stats(result)})
-
-        # Streamed: the first event decides between an error response and the stream.
+            return web.json_response({**self._head(chat), "choices": [choice], "usage": _usage(result),
+                                      "specdec": _stats(result)})
+        # The first event decides between an error response and the stream.
         first = await events.__anext__()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        kind += ".chunk" if chat else ""
-
-        async def send(index: int, delta: dict | None = None, finish=None, extra=None, logprobs=()):
-            choice = {"index": index, "finish_reason": finish}
-            if chat:
-                choice["delta"] = delta or {}
-                if asked:
-                    choice["logprobs"] = self._logprobs(logprobs, chat)
-            else:
-                choice.update(text=(delta or {}).get("content", ""),
-                              logprobs=self._logprobs(logprobs, chat) if asked else None)
-            event = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [choice],
-                     **(extra or {})}
-            await response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
-
-        if chat:
-            for index in range(choices):
-                await send(index, {"role": "assistant", "content": ""})
-        if echo is not None:  # without logprobs (refused streamed with them): the prompt's text first
-            for index in range(choices):
-                await send(index, {"content": echo.text})
-        # With tools, each choice's answer is held to its end: a call or text.
-        event, held, held_logprobs, results = first, [[] for _ in range(choices)], [[] for _ in range(choices)], []
+        out = _EventStream(self, response, chat, asked)
+        await out.open(choices, echo)
+        held = [_Held() for _ in range(choices)]  # with tools, each choice's answer to its end: a call or text
+        results = []
         try:
-            while True:
+            event = first
+            while event is not None:
                 index = getattr(event, event.WhichOneof("event")).index
                 if event.HasField("chunk") and tools:
-                    held[index].append(event.chunk.text)
-                    held_logprobs[index].extend(event.chunk.logprobs)
+                    held[index].add(event.chunk)
                 elif event.HasField("chunk"):
                     if event.chunk.text or (asked and event.chunk.logprobs):
-                        await send(index, {"content": event.chunk.text}, logprobs=event.chunk.logprobs)
+                        await out.send(index, {"content": event.chunk.text}, logprobs=event.chunk.logprobs)
                 else:
-                    result = event.result
-                    results.append(result)
-                    finish = FINISH.get(result.finish_reason, "stop")
-                    if tools:
-                        calls = _calls("".join(held[index]), tools, result)
-                        if calls:
-                            finish = "tool_calls"
-                            await send(index, {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
-                                       logprobs=held_logprobs[index])
-                        else:
-                            await send(index, {"content": "".join(held[index])}, logprobs=held_logprobs[index])
-                    await send(index, {}, finish, {"specdec": _stats(result)})
-                event = await events.__anext__()
-        except StopAsyncIteration:
+                    results.append(event.result)
+                    await out.end(index, event.result, held[index] if tools else None, tools)
+                event = await anext(events, None)
             if usage_in_stream and results:
-                usage = _usage(results[0])
-                usage["completion_tokens"] = sum(r.usage.completion_tokens for r in results)
-                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                await response.write(("data: " + json.dumps({
-                    "id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [],
-                    "usage": usage}) + "\n\n").encode())
+                await out.usage(results)
         except Exception as err:  # after the stream began: an error event, as OpenAI's servers send
             if isinstance(err, ConnectionError):  # the client left: nobody reads an error event
                 raise
-            if not isinstance(err, Refused):
-                log.exception("a streamed answer failed")
-                err = Refused(grpc.StatusCode.INTERNAL, f"the server failed: {type(err).__name__}")
-            status, kind_ = STATUS.get(err.code, (500, "api_error"))
-            await response.write(("data: " + json.dumps({"error": {"message": err.message, "type": kind_,
-                                                                   "code": err.code.name.lower()}}) + "\n\n").encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            await out.error(err)
+        await out.close()
         return response
+
+
+@dataclass
+class _Held:
+    """A choice's text and log-probabilities, held to its end (a tool call, or text)."""
+    text: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+    def add(self, chunk: pb.Chunk) -> None:
+        self.text.append(chunk.text)
+        self.logprobs.extend(chunk.logprobs)
+
+
+class _EventStream:
+    """One streamed answer: server-sent events in OpenAI's chunk shape, then [DONE]."""
+
+    def __init__(self, front: OpenAIFront, response: web.StreamResponse, chat: bool, asked: bool):
+        self.front, self.response, self.chat, self.asked = front, response, chat, asked
+        self.head = front._head(chat, chunk=True)
+
+    async def write(self, event: dict) -> None:
+        await self.response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+
+    async def send(self, index: int, delta: dict | None = None, finish=None, extra=None, logprobs=()) -> None:
+        choice = {"index": index, "finish_reason": finish}
+        logprobs = self.front._logprobs(logprobs, self.chat) if self.asked else None
+        if self.chat:
+            choice["delta"] = delta or {}
+            if self.asked:
+                choice["logprobs"] = logprobs
+        else:
+            choice.update(text=(delta or {}).get("content", ""), logprobs=logprobs)
+        await self.write({**self.head, "choices": [choice], **(extra or {})})
+
+    async def open(self, choices: int, echo: Echo | None) -> None:
+        if self.chat:
+            for index in range(choices):
+                await self.send(index, {"role": "assistant", "content": ""})
+        if echo is not None:  # without logprobs (refused streamed with them): the prompt's text first
+            for index in range(choices):
+                await self.send(index, {"content": echo.text})
+
+    async def end(self, index: int, result: pb.Result, held: _Held | None, tools: set[str] | None) -> None:
+        """A choice's result: its held answer (a call or text), then its finish."""
+        finish = FINISH.get(result.finish_reason, "stop")
+        if held is not None:
+            calls = _calls("".join(held.text), tools, result)
+            if calls:
+                finish = "tool_calls"
+                await self.send(index, {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
+                                logprobs=held.logprobs)
+            else:
+                await self.send(index, {"content": "".join(held.text)}, logprobs=held.logprobs)
+        await self.send(index, {}, finish, {"specdec": _stats(result)})
+
+    async def usage(self, results: list[pb.Result]) -> None:
+        usage = _usage(results[0])
+        usage["completion_tokens"] = sum(r.usage.completion_tokens for r in results)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        await self.write({**self.head, "choices": [], "usage": usage})
+
+    async def error(self, err: Exception) -> None:
+        if not isinstance(err, Refused):
+            log.exception("a streamed answer failed", exc_info=err)
+            err = Refused(grpc.StatusCode.INTERNAL, f"the server failed: {type(err).__name__}")
+        _, kind = STATUS.get(err.code, (500, "api_error"))
+        await self.write({"error": {"message": err.message, "type": kind, "code": err.code.name.lower()}})
+
+    async def close(self) -> None:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
 
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -552,6 +562,37 @@ def _calls(text: str, tools: set[str] | None, result: pb.Result) -> list[dict]:
         return []
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
+
+
+def _logprob_fields(body: dict, request: pb.GenerateRequest, chat: bool) -> None:
+    """Completions' `logprobs` is the number of top tokens; chat's a flag, with
+    `top_logprobs` the number."""
+    if chat:
+        request.logprobs = bool(_field(body, "logprobs", bool, False))
+        request.top_logprobs = _integer(body, "top_logprobs", 0, INT32, 0)
+        return
+    top = _integer(body, "logprobs", 0, INT32)
+    if top is not None:
+        request.logprobs, request.top_logprobs = True, top
+
+
+def _logit_bias(body: dict, request: pb.GenerateRequest) -> None:
+    for token, value in _field(body, "logit_bias", dict, {}).items():
+        if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 9) \
+                or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "logit_bias: maps token ids (as strings) to numbers",
+                          "logit_bias")
+        request.logit_bias[int(token)] = float(value)
+
+
+def _stops(body: dict, request: pb.GenerateRequest) -> None:
+    stop = _field(body, "stop", (str, list))
+    if stop is None:
+        return
+    stops = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stops):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "stop: strings only", "stop")
+    request.stop.extend(stops)
 
 
 def _same(value, default) -> bool:

@@ -1,6 +1,8 @@
-"""Drafter replicas: one explicit channel per replica address, so that a session's
-calls all reach the process holding its cache (gRPC's per-call load balancing would
-scatter them). The pool pairs each request with the least-loaded healthy replica."""
+"""Replica pools: one explicit channel per replica address, so that a session's calls
+all reach the process holding its cache (gRPC's per-call load balancing would scatter
+them). `Replicas` follows the set (static or discovered), counts sessions and marks
+replicas down; the drafters' pool (here) pairs each request with the least-loaded
+healthy drafter, the verifiers' (orchestrator.verifiers) routes by prefix and load."""
 
 import asyncio
 import logging
@@ -71,51 +73,98 @@ async def wait_for_info(stub, request, wait_s: float):
 class Replica:
     address: str
     channel: grpc.aio.Channel
-    stub: drafter_pb2_grpc.DrafterServiceStub
+    stub: object
     sessions: int = 0
     down_until: float = 0.0
-    checked: bool = False
-    removed: bool = False  # gone from the replica set: its sessions move at their next round
+    removed: bool = False  # gone from the replica set: its sessions move at their next call
 
     def healthy(self, now: float) -> bool:
         return self.down_until <= now
 
 
-class DrafterPool:
-    """The current replica set, from a static list or from discovery (`update`)."""
+class Replicas:
+    """The current replica set of one service, from a static list or from discovery
+    (`update`). A subclass says what a replica is (`what`, `new_replica`) and what joins
+    and leaves with one (`joined`, `left`)."""
+    what = "replica"
+
+    def __init__(self, addresses: list[str], credentials: grpc.ChannelCredentials | None, options, retry_s: float):
+        self.credentials, self.options, self.retry_s = credentials, [*CHANNEL_OPTIONS, *options], retry_s
+        self.replicas: dict[str, Replica] = {}
+        self.update(addresses)
+
+    def new_replica(self, address: str, channel: grpc.aio.Channel) -> Replica:
+        raise NotImplementedError
+
+    def joined(self, replica: Replica) -> None:
+        """A replica entered the set."""
+
+    def left(self, replica: Replica) -> None:
+        """A replica left the set."""
+
+    def update(self, addresses: list[str]) -> None:
+        """Follows a new replica set. A removed replica takes no new sessions; its
+        sessions move to another replica (a resync) at their next call."""
+        for address in addresses:
+            if address not in self.replicas:
+                replica = self.new_replica(address, aio_channel(address, self.credentials, self.options))
+                self.replicas[address] = replica
+                self.joined(replica)
+                log.info("%s %s added (%d replicas)", self.what, address, len(self.replicas))
+        for address in set(self.replicas) - set(addresses):
+            replica = self.replicas.pop(address)
+            replica.removed = True
+            self.left(replica)
+            log.info("%s %s removed (%d replicas); moving its %d sessions", self.what, address, len(self.replicas),
+                     replica.sessions)
+            if replica.sessions == 0:
+                spawn(replica.channel.close())
+
+    def release(self, replica: Replica) -> None:
+        """A session on the replica ended."""
+        replica.sessions -= 1
+        if replica.removed and replica.sessions == 0:
+            spawn(replica.channel.close())
+
+    def mark_down(self, replica: Replica, err: grpc.aio.AioRpcError) -> None:
+        """A call to the replica failed: no new sessions on it for `retry_s` (one that is
+        down for good, or until its check brings it back, stays so)."""
+        if replica.down_until == float("inf"):
+            return
+        if replica.down_until <= time.monotonic():
+            log.warning("%s %s failed (%s: %s); no new sessions on it for %.1f s", self.what, replica.address,
+                        err.code().name, err.details(), self.retry_s)
+        replica.down_until = time.monotonic() + self.retry_s
+
+    async def close(self) -> None:
+        for replica in self.replicas.values():
+            await replica.channel.close()
+
+
+@dataclass(eq=False)
+class DrafterReplica(Replica):
+    checked: bool = False
+
+
+class DrafterPool(Replicas):
+    what = "drafter"
 
     def __init__(self, addresses: list[str], target_fingerprint: str, target_name: str, retry_s: float = 2.0,
                  credentials: grpc.ChannelCredentials | None = None, options=(), target_layers: int = 0,
                  target_hidden: int = 0):
         self.target_fingerprint, self.target_name = target_fingerprint, target_name
         self.target_layers, self.target_hidden = target_layers, target_hidden
-        self.retry_s = retry_s
-        self.credentials, self.options = credentials, [*CHANNEL_OPTIONS, *options]
-        self.replicas: dict[str, Replica] = {}
         # The drafters' prompt-lookup rule (min, max match), as the last replica checked
         # says (a deployment's replicas run one configuration); None: they never look up.
         self.lookup_rule: tuple[int, int] | None = None
         # Likewise, what they draft from besides tokens: None, or the target's features.
         self.feature_rule: FeatureRule | None = None
-        self.update(addresses)
+        super().__init__(addresses, credentials, options, retry_s)
 
-    def update(self, addresses: list[str]) -> None:
-        """Follows a new replica set. A removed replica takes no new sessions; its
-        sessions move to another replica (a resync) at their next round."""
-        for address in addresses:
-            if address not in self.replicas:
-                channel = aio_channel(address, self.credentials, self.options)
-                self.replicas[address] = Replica(address, channel, drafter_pb2_grpc.DrafterServiceStub(channel))
-                log.info("drafter %s added (%d replicas)", address, len(self.replicas))
-        for address in set(self.replicas) - set(addresses):
-            replica = self.replicas.pop(address)
-            replica.removed = True
-            log.info("drafter %s removed (%d replicas); draining %d sessions", address, len(self.replicas),
-                     replica.sessions)
-            if replica.sessions == 0:
-                spawn(replica.channel.close())
+    def new_replica(self, address: str, channel: grpc.aio.Channel) -> DrafterReplica:
+        return DrafterReplica(address, channel, drafter_pb2_grpc.DrafterServiceStub(channel))
 
-    async def check(self, replica: Replica, wait_s: float = 0.0) -> None:
+    async def check(self, replica: DrafterReplica, wait_s: float = 0.0) -> None:
         """Checks the replica's vocabulary against the target's (IncompatiblePair)."""
         info = await wait_for_info(replica.stub, drafter_pb2.GetModelInfoRequest(), wait_s)
         check_vocab(replica.address, info, self.target_fingerprint, self.target_name)
@@ -125,7 +174,7 @@ class DrafterPool:
         self.feature_rule = FeatureRule(tuple(info.feature_layers), info.feature_window) \
             if info.feature_layers else None
 
-    async def acquire(self) -> Replica | None:
+    async def acquire(self) -> DrafterReplica | None:
         """The least-loaded healthy replica, or None: the request goes on without one."""
         now = time.monotonic()
         for replica in sorted(self.replicas.values(), key=lambda r: r.sessions):
@@ -144,17 +193,3 @@ class DrafterPool:
             replica.sessions += 1
             return replica
         return None
-
-    def release(self, replica: Replica) -> None:
-        replica.sessions -= 1
-        if replica.removed and replica.sessions == 0:
-            spawn(replica.channel.close())
-
-    def mark_down(self, replica: Replica, err: grpc.aio.AioRpcError) -> None:
-        log.warning("drafter %s failed (%s: %s); retrying it in %.1f s", replica.address, err.code().name,
-                    err.details(), self.retry_s)
-        replica.down_until = time.monotonic() + self.retry_s
-
-    async def close(self) -> None:
-        for replica in self.replicas.values():
-            await replica.channel.close()

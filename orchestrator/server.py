@@ -27,7 +27,7 @@ from orchestrator.autoscale import Autoscaler, Policy
 from orchestrator import openai_api, warmup
 from orchestrator.openai_api import OpenAIFront
 from specdec.metrics import OrchestratorMetrics
-from orchestrator.pool import CHANNEL_OPTIONS, DrafterPool, IncompatiblePair
+from orchestrator.pool import DrafterPool, IncompatiblePair
 from orchestrator.kpolicy import AdaptiveK, FixedK, RoundCosts
 from orchestrator.links import Deadline, DrafterLink, FeatureFeed, VerifierLink
 from orchestrator.rounds import speculate
@@ -696,7 +696,7 @@ async def serve(args, on_listen=None) -> None:
             await asyncio.sleep(min(1.0, args.drafter_refresh_interval))
             verifier_addresses = await verifier_source.addresses()
         verifiers = VerifierPool(verifier_addresses, model_files.vocab_fingerprint(tokenizer), args.tokenizer,
-                                 credentials, [*CHANNEL_OPTIONS, *options], slack=args.verifier_route_slack,
+                                 credentials, options, slack=args.verifier_route_slack,
                                  refresh_s=args.drafter_refresh_interval, metrics=metrics, routing=args.verifier_routing)
         log.info("waiting for a verifier (%s): %s", verifier_source.kind, ", ".join(verifier_addresses) or "none yet")
         info = await verifiers.start(args.startup_timeout)

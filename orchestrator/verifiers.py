@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.common.v1 import common_pb2
-from specdec.security import aio_channel
 from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from orchestrator.pool import IncompatiblePair, wait_for_info
+from orchestrator.pool import IncompatiblePair, Replica, Replicas, wait_for_info
 from orchestrator.tasks import cancelling, spawn
 
 log = logging.getLogger("orchestrator.verifiers")
@@ -84,15 +83,9 @@ class PrefixOwners:
 
 
 @dataclass(eq=False)
-class VerifierReplica:
-    address: str
-    channel: grpc.aio.Channel
-    stub: verifier_pb2_grpc.VerifierServiceStub
+class VerifierReplica(Replica):
     info: common_pb2.ModelInfo | None = None
     problem: str | None = None  # why it takes no requests (the model it serves)
-    sessions: int = 0
-    down_until: float = 0.0
-    removed: bool = False  # gone from the set: its sessions move at their next call
     free_blocks: int = -1  # after its last pass (-1: none seen)
     waiting: int = 0
     pass_s: float = 0.0
@@ -107,7 +100,9 @@ class VerifierReplica:
         return self.sessions + self.waiting
 
 
-class VerifierPool:
+class VerifierPool(Replicas):
+    what = "verifier"
+
     def __init__(self, addresses: list[str], fingerprint: str, tokenizer: str,
                  credentials: grpc.ChannelCredentials | None = None, options=(), retry_s: float = 2.0,
                  slack: int = 4, refresh_s: float = 5.0, metrics=None, routing: str = "prefix"):
@@ -115,45 +110,33 @@ class VerifierPool:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         self.routing, self.turn = routing, 0
         self.fingerprint, self.tokenizer, self.metrics = fingerprint, tokenizer, metrics
-        self.credentials, self.options = credentials, list(options)
-        self.retry_s, self.slack, self.refresh_s = retry_s, slack, refresh_s
-        self.replicas: dict[str, VerifierReplica] = {}
+        self.slack, self.refresh_s = slack, refresh_s
         self.prefixes = PrefixOwners()
         self.checked = asyncio.Event()  # some replica's model was checked
         self.first_error: IncompatiblePair | None = None
         self.served: common_pb2.ModelInfo | None = None  # the model a fitting replica served last
-        self.update(addresses)
+        super().__init__(addresses, credentials, options, retry_s)
 
     # -- the set -----------------------------------------------------------------------
 
-    def update(self, addresses: list[str]) -> None:
-        """Follows a new replica set. A removed replica takes no new sessions; its
-        sessions move to another replica (a resync) at their next call."""
-        for address in addresses:
-            if address not in self.replicas:
-                channel = aio_channel(address, self.credentials, self.options)
-                replica = VerifierReplica(address, channel, verifier_pb2_grpc.VerifierServiceStub(channel))
-                self.replicas[address] = replica
-                replica.watcher = spawn(self.watch(replica))
-                if self.metrics is not None:
-                    self.metrics.verifier_sessions.labels(address).set_function(lambda r=replica: r.sessions)
-                    self.metrics.verifier_free_blocks.labels(address).set_function(lambda r=replica: r.free_blocks)
-                log.info("verifier %s added (%d replicas)", address, len(self.replicas))
-        for address in set(self.replicas) - set(addresses):
-            replica = self.replicas.pop(address)
-            replica.removed = True
-            replica.watcher.cancel()
-            self.prefixes.forget(address)
-            if self.metrics is not None:
-                for gauge in (self.metrics.verifier_sessions, self.metrics.verifier_free_blocks):
-                    gauge.remove(address)
-                for rule in replica.routed:
-                    if replica.routed[rule]:
-                        self.metrics.verifier_routed.remove(address, rule)
-            log.info("verifier %s removed (%d replicas); moving its %d sessions", address, len(self.replicas),
-                     replica.sessions)
-            if replica.sessions == 0:
-                spawn(replica.channel.close())
+    def new_replica(self, address: str, channel: grpc.aio.Channel) -> VerifierReplica:
+        return VerifierReplica(address, channel, verifier_pb2_grpc.VerifierServiceStub(channel))
+
+    def joined(self, replica: VerifierReplica) -> None:
+        replica.watcher = spawn(self.watch(replica))
+        if self.metrics is not None:
+            self.metrics.verifier_sessions.labels(replica.address).set_function(lambda r=replica: r.sessions)
+            self.metrics.verifier_free_blocks.labels(replica.address).set_function(lambda r=replica: r.free_blocks)
+
+    def left(self, replica: VerifierReplica) -> None:
+        replica.watcher.cancel()
+        self.prefixes.forget(replica.address)
+        if self.metrics is not None:
+            for gauge in (self.metrics.verifier_sessions, self.metrics.verifier_free_blocks):
+                gauge.remove(replica.address)
+            for rule in replica.routed:
+                if replica.routed[rule]:
+                    self.metrics.verifier_routed.remove(replica.address, rule)
 
     @property
     def info(self) -> common_pb2.ModelInfo | None:
@@ -282,11 +265,9 @@ class VerifierPool:
             self.prefixes.record(prefix_hashes(tokens), replica.address)
 
     def release(self, replica: VerifierReplica) -> None:
-        replica.sessions -= 1
+        super().release(replica)
         if replica.sessions == 0:
             replica.waiting = 0  # its last pass's count: with no session there, nothing will update it
-        if replica.removed and replica.sessions == 0:
-            spawn(replica.channel.close())
 
     def observe(self, replica: VerifierReplica, batch_pass: verifier_pb2.BatchPass) -> None:
         """The replica's load after the pass that answered a call."""
@@ -298,16 +279,6 @@ class VerifierPool:
         """A session moved to another replica."""
         if self.metrics is not None:
             self.metrics.verifier_moves.inc()
-
-    def mark_down(self, replica: VerifierReplica, err: grpc.aio.AioRpcError) -> None:
-        """A call to the replica failed: no new sessions on it for `retry_s`, or until its
-        model is checked again."""
-        if replica.down_until == float("inf"):
-            return  # it did not answer its check: down until a check brings it back
-        if replica.down_until <= time.monotonic():
-            log.warning("verifier %s failed (%s: %s); no new sessions on it for %.1f s", replica.address,
-                        err.code().name, err.details(), self.retry_s)
-        replica.down_until = time.monotonic() + self.retry_s
 
     def others(self, replica: VerifierReplica) -> bool:
         """Whether another replica could take a session now."""

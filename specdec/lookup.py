@@ -1,7 +1,7 @@
 """Prompt lookup: the tokens that followed the latest earlier occurrence of a history's
-last n tokens, for the longest n in [min_n, max_n] that occurred. The drafter drafts
-with it (the n-gram and hybrid proposers); the orchestrator runs the same rule on its
-own history to know, before a round, whether the drafter will draft it by lookup."""
+last n tokens, for the longest n in [min_n, max_n] that occurred. The orchestrator
+drafts lookup rounds by it from the history it owns, by the rule an n-gram or hybrid
+drafter reports (min_n, max_n); the verifier drafts within runs of the target alone."""
 
 
 def suffix_match(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The orchestrator's incremental lookup index gives what the drafter's scan gives, at
+"""The orchestrator's incremental lookup index gives what the scan gives, at
 every length of a growing history; the memory of earlier outputs drafts where a history
 has no match of its own, and forgets its oldest outputs first."""
 
@@ -11,6 +11,9 @@ def test_suffix_match_takes_the_longest_suffix_and_its_latest_occurrence():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 2, 3]
     assert suffix_match(tokens, 3, 4, 1) == [7, 2, 3]  # [2, 3] last occurred before 7
     assert suffix_match(tokens, 4, 4, 3) == []  # no 3-token suffix occurred before
+    # The 3-gram [4, 1, 2] occurred once (then 9); the 2-gram's latest occurrence would give 5.
+    assert suffix_match([4, 1, 2, 9, 1, 2, 5, 4, 1, 2], 1, 3, 1) == [9]
+    assert suffix_match([1, 2, 3, 4], 4, 3, 1) == [] and suffix_match([7], 4, 4, 1) == []
 
 
 def test_a_copy_that_reaches_the_end_copies_its_own_drafts():
