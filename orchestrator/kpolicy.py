@@ -30,7 +30,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from specdec.verifier.v1.verifier_pb2 import BatchPass  # a verifier pass as the verifier reports it
+from specdec.api.verifier.v1.verifier_pb2 import BatchPass  # a verifier pass as the verifier reports it
 
 # The most steps one run of the target alone decodes: a call's timeout covers its run,
 # and between runs the policy looks again.

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 import grpc
 
 from specdec import features, tracing
-from specdec.common.v1 import common_pb2
-from specdec.drafter.v1 import drafter_pb2
+from specdec.api.common.v1 import common_pb2
+from specdec.api.drafter.v1 import drafter_pb2
 from specdec.errors import needs_resync
 from specdec.lookup import LookupIndex, OutputMemory
-from specdec.verifier.v1 import verifier_pb2
+from specdec.api.verifier.v1 import verifier_pb2
 from orchestrator.pool import DrafterPool, FeatureRule, Replica
 from orchestrator.stats import Stats
 from orchestrator.tasks import spawn

@@ -21,7 +21,7 @@ from specdec import grammar, security
 from specdec.errors import ServiceError
 from specdec.grammar import JSON_OPTIONS as JSON_SHAPE
 from specdec.sampling_params import MAX_SAMPLES
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger("orchestrator.http")
 

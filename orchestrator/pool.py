@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from specdec.api.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.security import aio_channel
 from orchestrator.tasks import spawn
 from specdec.wire import SERVICE_MESSAGE_BYTES, message_options

@@ -16,9 +16,9 @@ import grpc
 from opentelemetry import context as otel_context, trace
 
 from specdec import grammar, sampling_params, tracing
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
-from specdec.verifier.v1 import verifier_pb2
+from specdec.api.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.links import DrafterLink, Step, Verdict, VerifierLink
 from orchestrator.stats import Stats

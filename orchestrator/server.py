@@ -16,11 +16,11 @@ import grpc
 from opentelemetry import trace
 
 from specdec import defaults, flags, grammar, logs, model_files, sampling_params, security, server, tracing
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Precondition, ServiceError, Unavailable, abort
 from specdec.lookup import OutputMemory
 from specdec.validation import MAX_DRAFT_TOKENS, MAX_TOP_LOGPROBS
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 from orchestrator import discovery
 from orchestrator.admission import Admission
 from orchestrator.autoscale import Autoscaler, Policy

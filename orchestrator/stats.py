@@ -5,8 +5,8 @@ the Result, the log line and the deployment's metrics read them from this one ob
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb
-from specdec.verifier.v1 import verifier_pb2
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb
+from specdec.api.verifier.v1 import verifier_pb2
 
 
 @dataclass

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.common.v1 import common_pb2
-from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.api.common.v1 import common_pb2
+from specdec.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from orchestrator.pool import IncompatiblePair, Replica, Replicas, wait_for_info
 from orchestrator.tasks import cancelling, spawn
 

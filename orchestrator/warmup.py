@@ -19,7 +19,7 @@ import uuid
 
 import grpc
 
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from orchestrator.kpolicy import FixedK, RoundCosts
 from orchestrator.pool import DrafterPool
 from orchestrator.links import Deadline, DrafterLink, FeatureFeed, VerifierLink

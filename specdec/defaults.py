@@ -1,4 +1,4 @@
-"""The embedded default model pair, by name (specdec.modeling resolves the names): a
+"""The embedded default model pair, by name (specdec.runtime.modeling resolves the names): a
 module of its own, so that a thin client can name them without loading torch."""
 
 DEFAULT_TARGET = "smollm2-135m-instruct"

@@ -4,7 +4,7 @@ position) and the window of them a request keeps for its drafter's resync.
 The orchestrator handles them as bytes only (it never loads torch): it slices rows and
 joins runs of them."""
 
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 
 BYTES = 2  # float16

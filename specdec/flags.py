@@ -5,7 +5,7 @@ import os
 import re
 
 
-# How a model computes on a CPU (specdec.quantize; a flag of the services and of `specdec up`).
+# How a model computes on a CPU (specdec.runtime.quantize; a flag of the services and of `specdec up`).
 QUANTIZE = ("auto", "gguf", "q8_m", "q8_0", "q4_0", "int8", "none")
 QUANTIZE_HELP = ("CPU numerics, exact against the target alone with the same numerics. gguf: a .gguf model's own "
                  "4- or 8-bit blocks; q8_m (8-bit with a scale and a minimum per block), q8_0, q4_0 (GGUF's types): "

@@ -28,7 +28,7 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.errors import InvalidArgument, Precondition
 
 if TYPE_CHECKING:

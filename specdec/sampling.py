@@ -12,7 +12,7 @@ import struct
 import numpy
 import torch
 
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.sampling_params import penalized
 
 

@@ -5,7 +5,7 @@ the distributions)."""
 
 import math
 
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 
 

@@ -7,10 +7,10 @@ import logging
 import time
 
 from specdec import logs
-from specdec.common.v1 import common_pb2
-from specdec.engine import Engine, one_thread_outside_engines, reproducible_blas
+from specdec.api.common.v1 import common_pb2
+from specdec.runtime.engine import Engine, one_thread_outside_engines, reproducible_blas
 from specdec.errors import RESYNC_DETAIL, Internal, ServiceError, Unavailable, abort
-from specdec.quantize import quantize
+from specdec.runtime.quantize import quantize
 from specdec.sessions import Session, SessionStore
 
 log = logging.getLogger(__name__)

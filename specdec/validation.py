@@ -1,6 +1,6 @@
 """Input checks both services make on the session fields of a call."""
 
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 
 MAX_DRAFT_TOKENS = 64  # drafts one call may carry or ask for (Propose, Verify, a run's lookup)

@@ -7,11 +7,11 @@ import sys
 import grpc
 import torch
 
-from specdec.quantize import quantize
+from specdec.runtime.quantize import quantize
 from deploy.launch import DRAFTER_THREADS, HOST, VERIFIER_THREADS, Service, free_port, start, stop, wait_serving
-from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
-from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.api.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 PY = [sys.executable, "-m"]
 

@@ -9,7 +9,8 @@ sys.path.append(str(Path(__file__).parent))
 
 from cluster import as_tested  # noqa: E402
 from models import build_llama, eagle_head_for, noisy_copy, word_tokenizer  # noqa: E402
-from specdec import model_files, modeling  # noqa: E402
+from specdec import model_files  # noqa: E402
+from specdec.runtime import modeling
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ import asyncio
 
 import grpc
 
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 
 async def stream(stub, ids, k, cancel_after: int | None = None, new_tokens: int = 24):

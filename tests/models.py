@@ -27,7 +27,7 @@ def build_llama(tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: i
     return model
 
 
-# Families the CPU's layer kernel runs (specdec.engine.model_runner._llama_like), each with
+# Families the CPU's layer kernel runs (specdec.runtime.engine.model_runner._llama_like), each with
 # what it differs by switched on: Qwen2's q/k/v biases, Qwen3's head norms (and a tied head).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -91,7 +91,7 @@ def eagle_head_for(model: LlamaForCausalLM, tokenizer, path: Path, *, seed: int,
     """An EAGLE-3 head for `model`, random (each weight N(0, spread)) but for the target's
     embedding, in the SpecForge format with the target's tokenizer: it reads the target's
     first, middle and last layers' inputs. Its drafts agree with the target by chance only."""
-    from specdec import eagle
+    from specdec.runtime import eagle
 
     torch.manual_seed(seed)
     config = model.config

@@ -4,7 +4,7 @@ model's own tokens."""
 
 import torch
 
-from specdec.engine import Engine
+from specdec.runtime.engine import Engine
 
 
 def logits_by_forward(engine, seqs, forwards, last: int = 3) -> list[list[torch.Tensor]]:

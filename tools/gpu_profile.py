@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tools.gpu_check import model
-from specdec.engine import Engine
+from specdec.runtime.engine import Engine
 
 
 def main() -> int:

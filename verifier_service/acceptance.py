@@ -9,7 +9,7 @@ tokens. The target keeps the longest accepted prefix and adds one token: the
 import torch
 
 from specdec import grammar, sampling, sampling_params
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.sampling import Draws
 
 

@@ -12,8 +12,8 @@ drafter would have been sent (they guide drafts only; the verifier checks every 
 
 from collections import OrderedDict
 
-from specdec.common.v1 import common_pb2
-from specdec.engine.block_manager import prefix_digests
+from specdec.api.common.v1 import common_pb2
+from specdec.runtime.engine.block_manager import prefix_digests
 from specdec.features import BYTES, Window
 
 

@@ -8,11 +8,11 @@ import asyncio
 import torch
 
 from specdec import grammar, sampling
-from specdec.common.v1 import common_pb2
-from specdec.engine import PagedSequence, Pass
+from specdec.api.common.v1 import common_pb2
+from specdec.runtime.engine import PagedSequence, Pass
 from specdec.errors import InvalidArgument
 from specdec.features import encode as encode_features
-from specdec.verifier.v1 import verifier_pb2
+from specdec.api.verifier.v1 import verifier_pb2
 from verifier_service.acceptance import judge
 from verifier_service.feature_cache import FeatureCache, Pending, join as join_features
 

@@ -14,12 +14,12 @@ from typing import AsyncIterator
 import torch
 
 from specdec import grammar, sampling, sampling_params
-from specdec.common.v1 import common_pb2
-from specdec.engine import PagedSequence, Pass
+from specdec.api.common.v1 import common_pb2
+from specdec.runtime.engine import PagedSequence, Pass
 from specdec.errors import InvalidArgument
 from specdec.features import encode as encode_features
 from specdec.lookup import LookupIndex
-from specdec.verifier.v1 import verifier_pb2
+from specdec.api.verifier.v1 import verifier_pb2
 from verifier_service.acceptance import judge
 from verifier_service.feature_cache import FeatureCache, join as join_features
 from verifier_service.passes import beside_the_loop, cached_features, constrained, pending_features, token_logprobs

@@ -10,13 +10,14 @@ import math
 
 import torch
 
-from specdec import flags, grammar, logs, modeling, sampling_params, server, session_service, tracing
+from specdec import flags, grammar, logs, sampling_params, server, session_service, tracing
+from specdec.runtime import modeling
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
 from specdec.wire import SERVICE_MESSAGE_BYTES
 from specdec.validation import MAX_DRAFT_TOKENS, MAX_TOP_LOGPROBS, check_length, check_token_ids
-from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.passes import score, verify
 from verifier_service.runs import decode
 from verifier_service.feature_cache import FeatureCache

@@ -45,10 +45,10 @@ import torch
 from deploy import launch
 from deploy.bench import harness
 from orchestrator.links import Step, Verdict
-from specdec import modeling, quantize
-from specdec.common.v1 import common_pb2
-from specdec.engine import Engine
-from specdec.verifier.v1 import verifier_pb2
+from specdec.runtime import modeling, quantize
+from specdec.api.common.v1 import common_pb2
+from specdec.runtime.engine import Engine
+from specdec.api.verifier.v1 import verifier_pb2
 
 log = logging.getLogger("bench.compare")
 

@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 from deploy.bench import harness
-from specdec import ggml, model_files, modeling, quantize
-from specdec.engine import Engine, one_thread_outside_engines
+from specdec import model_files
+from specdec.runtime import ggml, modeling, quantize
+from specdec.runtime.engine import Engine, one_thread_outside_engines
 
 
 def pass_seconds(eng: Engine, seqs, tokens: list[int], history: int, reps: int = 7) -> float:
@@ -136,7 +137,7 @@ def invariance(eng: Engine, seqs, trials: int = 5) -> str:
 
 def penalty_costs(eng: Engine, seq) -> list[str]:
     from specdec import sampling
-    from specdec.common.v1 import common_pb2
+    from specdec.api.common.v1 import common_pb2
 
     def median_of(work, reps: int = 50) -> float:
         out = []
@@ -234,7 +235,7 @@ def second_turn(eng: Engine, tokenizer) -> str:
 
 async def _stall(address: str, tokenizer) -> tuple[float, float, float]:
     import grpc
-    from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+    from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc
 
     chat = harness.chat_ids(tokenizer, "Tell me about the sea.")
     long = (tokenizer("The history of the world is long and full of events. ")["input_ids"] * 400)[:4000]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from deploy.bench import harness
-from specdec import modeling, quantize
+from specdec.runtime import modeling, quantize
 
 PROMPTS = [
     "What causes the seasons on Earth?",

@@ -19,8 +19,9 @@ from pathlib import Path
 import grpc
 
 from deploy import launch
-from specdec import flags, model_files, modeling
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec import flags, model_files
+from specdec.runtime import modeling
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 DATA = Path(__file__).parent
 PROMPTS = DATA / "prompts.txt"  # categories: chat, code, copying tasks, plain text

@@ -46,8 +46,9 @@ import grpc
 
 from deploy.bench import harness
 from deploy.bench.harness import percentile
-from specdec import model_files, modeling
-from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+from specdec import model_files
+from specdec.runtime import modeling
+from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc
 
 log = logging.getLogger("bench.load")
 
@@ -246,7 +247,7 @@ def reference_outputs(target: str, dtype: str, device: str, numerics: str, promp
     from transformers import LogitsProcessorList
 
     from specdec import grammar
-    from specdec.quantize import quantize
+    from specdec.runtime.quantize import quantize
 
     model, tokenizer = modeling.load_model(target, dtype, device)
     model = quantize(model, numerics)

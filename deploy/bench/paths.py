@@ -19,8 +19,9 @@ import torch
 
 from deploy.bench import harness
 from deploy.bench.engine import pass_seconds
-from specdec import model_files, modeling, quantize
-from specdec.engine import Engine, one_thread_outside_engines
+from specdec import model_files
+from specdec.runtime import modeling, quantize
+from specdec.runtime.engine import Engine, one_thread_outside_engines
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
 

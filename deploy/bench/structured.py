@@ -47,8 +47,8 @@ from deploy.bench import harness
 from deploy.bench.harness import ratio as _x
 from deploy.bench.load import reference_outputs
 from specdec import model_files
-from specdec.common.v1 import common_pb2
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb
+from specdec.api.common.v1 import common_pb2
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb
 
 
 def read_workload(path: Path, limit: int | None) -> list[dict]:

@@ -23,9 +23,9 @@ import grpc
 
 from deploy.bench import harness
 from deploy.launch import HOST
-from specdec.common.v1 import common_pb2
-from specdec.drafter.v1 import drafter_pb2
-from specdec.verifier.v1 import verifier_pb2
+from specdec.api.common.v1 import common_pb2
+from specdec.api.drafter.v1 import drafter_pb2
+from specdec.api.verifier.v1 import verifier_pb2
 
 SERVICE = "specdec.bench.Wire"
 

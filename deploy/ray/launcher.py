@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import ray
 
 from deploy.ray.actors import ReplicaController, ServiceActor
-from specdec import modeling
+from specdec.runtime import modeling
 
 log = logging.getLogger("specdec.ray")
 

@@ -12,9 +12,9 @@ import grpc
 import ray
 
 from deploy.ray import launcher
-from specdec import modeling
+from specdec.runtime import modeling
 from deploy.launch import free_port
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 PROMPTS = ["Tell me about the sea.", "Write a haiku about autumn.", "List five fruits.", "What is a prime number?"]
 

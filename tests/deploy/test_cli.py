@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from deploy import cli
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 
 class Cut:

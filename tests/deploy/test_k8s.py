@@ -13,10 +13,11 @@ import pytest
 import yaml
 
 from cluster import chat_ids, generate, pb, reference
-from specdec import flags, modeling
-from specdec.quantize import quantize
+from specdec import flags
+from specdec.runtime import modeling
+from specdec.runtime.quantize import quantize
 from deploy.launch import HOST, Service, free_port, stop, wait_serving
-from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ["cpu", "gpu", "cpu-tls"]

@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 from cluster import QUANTIZE, Stream, cases, generate, pb, reference  # noqa: E402
 from deploy.launch import free_port  # noqa: E402
-from specdec.orchestrator.v1 import orchestrator_pb2_grpc  # noqa: E402
+from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc  # noqa: E402
 
 # The numerics the references run with (the services' own default is `auto`).
 NUMERICS = dict(verifier_flags=["--quantize", QUANTIZE], drafter_flags=["--quantize", QUANTIZE])

@@ -7,7 +7,8 @@ import torch
 from tools.distill import prompts
 from tools.distill.data import chat_ids
 from tools.distill.eagle_head import target_states
-from specdec import eagle, model_files, modeling
+from specdec import model_files
+from specdec.runtime import eagle, modeling
 
 HEAD = "smollm2-135m-eagle3"
 

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 from cluster import as_tested
 from drafter_service.proposers import ModelProposer, NoModel
 from drafter_service.server import build_parser, lookup_rule, make_proposer, reported
-from specdec.common.v1 import common_pb2
-from specdec.engine import Engine
+from specdec.api.common.v1 import common_pb2
+from specdec.runtime.engine import Engine
 from specdec.lookup import suffix_match
 
 GREEDY = common_pb2.SamplingParams(top_p=1.0)

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from cluster import drafter, drafter_pb2, generate, orchestrator, pb, verifier_pb2
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.wire import MAX_MESSAGE_BYTES, SERVICE_MESSAGE_BYTES
 
 GREEDY = common_pb2.SamplingParams(top_p=1.0)

@@ -16,7 +16,7 @@ from transformers import LogitsProcessorList
 from cluster import generate, pb
 from deploy.bench import harness
 from specdec import grammar
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "color"],
           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 999},

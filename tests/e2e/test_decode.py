@@ -6,7 +6,7 @@ leaves a session the next call picks up from what it read."""
 import pytest
 
 from cluster import verifier_pb2
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 
 PROMPT = [1, 17, 230, 42, 9, 311, 5]
 PARAMS = [common_pb2.SamplingParams(top_p=1.0),

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from cluster import chat_ids, generate, pb, reference
-from specdec import modeling
-from specdec import quantize as quantize_module
-from specdec.quantize import quantize
+from specdec.runtime import modeling
+from specdec.runtime import quantize as quantize_module
+from specdec.runtime.quantize import quantize
 from deploy.launch import free_port, health_status
-from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc
 
 import grpc
 from grpc_health.v1 import health_pb2

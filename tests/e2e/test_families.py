@@ -9,7 +9,7 @@ import pytest
 import cluster
 from cluster import Cluster, cases, drafter, drafter_pb2, generate, orchestrator, pb, verifier, verifier_pb2
 from models import FAMILIES, build_family, noisy_copy
-from specdec import modeling, quantize
+from specdec.runtime import modeling, quantize
 
 AUTO = ["--quantize", "auto"]
 PROMPTS = cluster.PROMPTS[:4]

@@ -11,10 +11,11 @@ import pytest
 
 from cluster import Cluster, Stream, as_tested, chat_ids, drafter, eventually, generate, orchestrator, pb, \
     reference, verifier
-from specdec import model_files, modeling
-from specdec.common.v1 import common_pb2
-from specdec.drafter.v1 import drafter_pb2
-from specdec.verifier.v1 import verifier_pb2
+from specdec import model_files
+from specdec.runtime import modeling
+from specdec.api.common.v1 import common_pb2
+from specdec.api.drafter.v1 import drafter_pb2
+from specdec.api.verifier.v1 import verifier_pb2
 
 HEAD = "smollm2-135m-eagle3"
 QUESTIONS = ["Why do cats purr?", "Give me three tips for learning to cook.", "What causes the seasons on Earth?",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster import generate, pb
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Shopping list: eggs, milk, bread, eggs, milk,",
            "def fibonacci(n):\n    if n < 2:\n        return n\n"]

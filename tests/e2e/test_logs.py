@@ -8,7 +8,7 @@ import grpc
 
 from cluster import drafter, generate, orchestrator, pb, verifier
 from deploy.launch import stop, wait_serving
-from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc
 
 
 def test_json_logs_carry_the_request_and_session_on_every_service(tiny_pair, tmp_path, smol_tokenizer):

@@ -104,7 +104,7 @@ def test_penalties_under_a_constraint_match_the_target_alone(tiny_cluster, tiny_
     from deploy.bench import harness
     from e2e.test_constraints import REGEX
     from specdec import grammar
-    from specdec.common.v1 import common_pb2
+    from specdec.api.common.v1 import common_pb2
 
     vocab = grammar.Vocabulary(smol_tokenizer, len(smol_tokenizer), [2])
     constraint = common_pb2.Constraint(regex=REGEX)

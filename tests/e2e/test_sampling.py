@@ -11,7 +11,7 @@ from scipy import stats
 
 from cluster import Cluster, drafter, generate, orchestrator, pb, verifier
 from specdec import sampling
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 
 PROMPT = [1, 2, 3]
 EOS = 0  # the micro tokenizer's end-of-sequence token

@@ -18,9 +18,10 @@ import pytest
 from cluster import generate, pb, reference
 from deploy import cli, launch
 from deploy.launch import free_port
-from specdec import defaults, modeling
-from specdec.quantize import quantize
-from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+from specdec import defaults
+from specdec.runtime import modeling
+from specdec.runtime.quantize import quantize
+from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc
 
 VERIFIER_THREADS = 8
 MAX_NEW = 20

@@ -11,7 +11,7 @@ import pytest
 from cluster import Cluster, drafter, generate, orchestrator, pb, verifier
 from conftest import MICRO_WORDS
 from models import build_llama, eagle_head_for, word_tokenizer
-from specdec import eagle
+from specdec.runtime import eagle
 from specdec.wire import SERVICE_MESSAGE_BYTES
 
 HIDDEN, WINDOW = 4096, 256

@@ -31,7 +31,7 @@ def test_draws_take_device_probabilities():
 def test_penalties_on_the_device_are_the_hosts():
     """A pass's logits on the GPU get the same penalties, to the bit, as their host copy."""
     from specdec import sampling
-    from specdec.common.v1 import common_pb2
+    from specdec.api.common.v1 import common_pb2
 
     torch.manual_seed(0)
     logits = torch.randn(4, 300, device="cuda") * 3

@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.server import OrchestratorServicer
 from specdec.errors import InvalidArgument
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb
 
 
 class Template:

@@ -6,7 +6,7 @@ import pytest
 from orchestrator.pool import FeatureRule
 from orchestrator.links import FeatureFeed
 from specdec import features
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 
 WIDTH = 2

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from orchestrator.kpolicy import PROBE_SHARE, RUN_MAX, AdaptiveK, FixedK, RoundCosts, expected_tokens
-from specdec.verifier.v1.verifier_pb2 import BatchPass
+from specdec.api.verifier.v1.verifier_pb2 import BatchPass
 
 
 def feed(policy: AdaptiveK, alpha_accepts, draft_per_token: float, verify_base: float, verify_per_token: float,

@@ -11,10 +11,10 @@ import pytest
 from orchestrator.pool import DrafterPool
 from orchestrator.links import Deadline, DrafterLink, VerifierLink
 from orchestrator.stats import Stats
-from specdec.common.v1 import common_pb2
-from specdec.drafter.v1 import drafter_pb2
+from specdec.api.common.v1 import common_pb2
+from specdec.api.drafter.v1 import drafter_pb2
 from specdec.errors import RESYNC_DETAIL
-from specdec.verifier.v1 import verifier_pb2
+from specdec.api.verifier.v1 import verifier_pb2
 
 PARAMS = common_pb2.SamplingParams(top_p=1.0)
 

@@ -11,8 +11,8 @@ from orchestrator.links import VerifierLink
 from orchestrator.stats import Stats
 from orchestrator.pool import IncompatiblePair
 from orchestrator.verifiers import PREFIX_CHUNK, VerifierPool, VerifierReplica, prefix_hashes
-from specdec.common.v1 import common_pb2
-from specdec.verifier.v1 import verifier_pb2
+from specdec.api.common.v1 import common_pb2
+from specdec.api.verifier.v1 import verifier_pb2
 
 PARAMS = common_pb2.SamplingParams(top_p=1.0)
 INFO = common_pb2.ModelInfo(model_name="target", vocab_fingerprint="fp", max_positions=2048)
@@ -250,7 +250,7 @@ def test_an_engines_numerics_name_its_quantization_dtype_device_and_path():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.engine import Engine
+    from specdec.runtime.engine import Engine
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2)).eval()

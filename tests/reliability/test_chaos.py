@@ -19,7 +19,7 @@ import pytest
 
 from cluster import Cluster, drafter, orchestrator, pb, reference, verifier
 from deploy.launch import start
-from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc
 
 PROMPTS = ["The lighthouse keeper", "Tomorrow the market", "In the old library", "A recipe calls for",
            "The first rule of", "Across the valley"]

@@ -16,10 +16,10 @@ from google.protobuf import descriptor as d, message_factory  # noqa: E402
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from cluster import Cluster, drafter, orchestrator, verifier  # noqa: E402
-from specdec.common.v1 import common_pb2  # noqa: E402
-from specdec.drafter.v1 import drafter_pb2  # noqa: E402
-from specdec.orchestrator.v1 import orchestrator_pb2 as pb  # noqa: E402
-from specdec.verifier.v1 import verifier_pb2  # noqa: E402
+from specdec.api.common.v1 import common_pb2  # noqa: E402
+from specdec.api.drafter.v1 import drafter_pb2  # noqa: E402
+from specdec.api.orchestrator.v1 import orchestrator_pb2 as pb  # noqa: E402
+from specdec.api.verifier.v1 import verifier_pb2  # noqa: E402
 
 # Answers a service may give on purpose. UNKNOWN (an exception that escaped a handler),
 # INTERNAL, UNAVAILABLE from a live service: bugs.

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from cluster import as_tested, reference
-from specdec import modeling
-from specdec.common.v1 import common_pb2
-from specdec.engine import Engine
+from specdec.runtime import modeling
+from specdec.api.common.v1 import common_pb2
+from specdec.runtime.engine import Engine
 from specdec.errors import RESYNC_DETAIL
 from specdec.sessions import SessionStore
-from specdec.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.server import VerifierServicer
 
 GREEDY = common_pb2.SamplingParams(top_p=1.0)

@@ -13,9 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from certs import CA
 from cluster import Cluster, drafter, generate, orchestrator, pb, reference, verifier
-from specdec.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from specdec.api.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from deploy.launch import free_port
-from specdec.orchestrator.v1 import orchestrator_pb2_grpc
+from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc
 
 TOKEN = "s3cret-token-for-the-test"
 

@@ -7,7 +7,8 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from specdec import model_files, modeling
+from specdec import model_files
+from specdec.runtime import modeling
 
 
 def test_borrowing_directory_is_assembled_and_follows_its_files(tiny_pair, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The engine's float64 attention kernel on a CPU (specdec/kernels/attention_cpu.cpp):
+"""The engine's float64 attention kernel on a CPU (specdec/runtime/kernels/attention_cpu.cpp):
 what transformers' float64 attention gives, to the float32 bit, for rows of different
 lengths and widths with grouped key-value heads; a token's result the same alone and
 among others; bad tables refused, not read."""
@@ -6,8 +6,8 @@ among others; bad tables refused, not read."""
 import pytest
 import torch
 
-from specdec.kernels import cpu
-from specdec.quantize import float64_attention
+from specdec.runtime.kernels import cpu
+from specdec.runtime.quantize import float64_attention
 
 HEADS, KV_HEADS, DIM, SLOTS = 6, 2, 64, 400
 

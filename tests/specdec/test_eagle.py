@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from specdec import eagle
+from specdec.runtime import eagle
 
 LAYER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 8, "rms_norm_eps": 1e-5, "vocab_size": 50, "max_position_embeddings": 512,

@@ -15,8 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster import as_tested
 from passes import logits_by_forward
-from specdec.engine import Engine, TokenSequence
-from specdec.engine.block_manager import prefix_digests
+from specdec.runtime.engine import Engine, TokenSequence
+from specdec.runtime.engine.block_manager import prefix_digests
 from specdec.errors import NeedsResync, Overloaded
 
 VOCAB = 300
@@ -450,7 +450,7 @@ def test_a_decode_closed_at_its_yield_stops_before_its_closer_returns(models):
     """A server stream whose caller cancels is closed where it waits, at a yield: the
     verifier's decode generators must close the engine's decoding with them, so that
     nothing appends to the session once the next call may hold it."""
-    from specdec.verifier.v1 import verifier_pb2
+    from specdec.api.verifier.v1 import verifier_pb2
     from verifier_service.runs import decode
 
     eng = engine(models)
@@ -525,7 +525,7 @@ def test_a_decode_whose_reader_left_abandons_its_pass_at_the_next_layer(models):
 THREADS_SCRIPT = """
 import threading, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from specdec import engine, quantize
+from specdec.runtime import engine, quantize
 
 engine.one_thread_outside_engines()
 model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -655,8 +655,8 @@ def test_an_error_outside_the_pass_fails_every_call_instead_of_hanging(models, m
 
 def test_a_reserve_that_cannot_succeed_evicts_nobody():
     """(Before: it evicted every newer session, then failed anyway.)"""
-    from specdec.engine.block_manager import BlockManager, KVPool
-    from specdec.engine.sequence import PagedSequence
+    from specdec.runtime.engine.block_manager import BlockManager, KVPool
+    from specdec.runtime.engine.sequence import PagedSequence
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
     pool = KVPool(config, 5 * 16 * 2 * 64 * 4, torch.float32, "cpu")  # 4 blocks a session can get
@@ -748,8 +748,8 @@ def test_llama_models_skip_transformers_plumbing_to_the_same_bits(models, numeri
     """The engine's own pass of a Llama model (its modules, without transformers'
     plumbing; q, k and v as one product when quantized) against transformers' forward of
     the same pass: the same logits, bit for bit, for rows of several lengths."""
-    from specdec.engine import model_runner
-    from specdec.quantize import method_of, quantize
+    from specdec.runtime.engine import model_runner
+    from specdec.runtime.quantize import method_of, quantize
 
     if method_of(models[0]) != "none":
         pytest.skip("this suite's models are quantized already (the default suite runs both cases)")
@@ -878,7 +878,7 @@ def test_decode_drafts_lookup_matches_within_its_run_and_keeps_the_targets_token
     occurred before, what followed it is drafted into the next pass and checked there;
     the tokens are the target alone's, and the notes count the drafts kept and rejected.
     Without it, a run drafts nothing."""
-    from specdec.verifier.v1 import verifier_pb2
+    from specdec.api.verifier.v1 import verifier_pb2
     from verifier_service.runs import decode
 
     prompt = tokens(8, 21)  # the tiny model's greedy answer falls into loops: lookup drafts them

@@ -12,8 +12,8 @@ import torch
 
 from models import FAMILIES, build_family
 from passes import logits_by_forward, prefill, rounds_of_its_own_tokens
-from specdec import ggml, modeling, quantize
-from specdec.engine import Engine, model_runner
+from specdec.runtime import ggml, modeling, quantize
+from specdec.runtime.engine import Engine, model_runner
 
 THREADS = 5  # more than this machine's cores: the split between threads is what could change a row
 

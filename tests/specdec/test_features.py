@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from specdec import modeling, quantize
-from specdec.engine import Engine
+from specdec.runtime import modeling, quantize
+from specdec.runtime.engine import Engine
 
 LAYERS = (2, 15, 27)
 

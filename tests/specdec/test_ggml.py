@@ -9,8 +9,8 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from passes import logits_by_forward, rounds_of_its_own_tokens
-from specdec import ggml, modeling, quantize
-from specdec.engine import Engine
+from specdec.runtime import ggml, modeling, quantize
+from specdec.runtime.engine import Engine
 
 KINDS = [ggml.Q4_0, ggml.Q4_1, ggml.Q8_0, ggml.Q8_M]
 
@@ -199,7 +199,7 @@ def test_each_layer_in_one_kernel_call_gives_the_python_pass_bits():
     kernel call (layer_cpu.cpp), against its Python pass of the same modules
     (_llama_forward): the same logits, bit for bit, for rows of several lengths in one
     pass, and for one decode step."""
-    from specdec.engine import model_runner
+    from specdec.runtime.engine import model_runner
 
     model, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
     engine = Engine(quantize.quantize(model, "gguf"), 64 << 20)
@@ -229,8 +229,8 @@ def test_a_pass_in_one_kernel_call_stops_before_a_layer_once_nobody_reads_it():
     running pass has lost its caller, not before."""
     from types import SimpleNamespace
 
-    from specdec.engine import model_runner
-    from specdec.engine.attention import Abandoned, Plan
+    from specdec.runtime.engine import model_runner
+    from specdec.runtime.engine.attention import Abandoned, Plan
 
     model, tokenizer = modeling.load_model(modeling.DEFAULT_TARGET)
     engine = Engine(quantize.quantize(model, "gguf"), 16 << 20)

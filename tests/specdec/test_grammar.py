@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import grammar
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

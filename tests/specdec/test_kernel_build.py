@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specdec import kernels
+from specdec.runtime import kernels
 
-LOAD = "from specdec import kernels; kernels.cpu(); print('loaded')"
+LOAD = "from specdec.runtime import kernels; kernels.cpu(); print('loaded')"
 
 
 def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_load(tmp_path):
@@ -31,7 +31,7 @@ def test_each_environment_builds_in_a_directory_of_its_own(monkeypatch):
     alternated between them rebuilt the kernels, about two minutes.)"""
     import sys
 
-    from specdec import kernels
+    from specdec.runtime import kernels
 
     here = kernels.build_key()
     monkeypatch.setattr(sys, "prefix", "/opt/another-venv")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec import quantize as quantize_module
-from specdec.quantize import Int8Linear, kernel, quantize
+from specdec.runtime import quantize as quantize_module
+from specdec.runtime.quantize import Int8Linear, kernel, quantize
 
 TESTS = Path(__file__).parent.parent
 

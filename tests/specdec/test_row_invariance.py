@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from passes import prefill
-from specdec import ggml, kernels, modeling, quantize
-from specdec.engine import Engine
-from specdec.engine.model_runner import rotary
+from specdec.runtime import ggml, kernels, modeling, quantize
+from specdec.runtime.engine import Engine
+from specdec.runtime.engine.model_runner import rotary
 
 THREADS = (1, 2, 3, 5, 8, 16)
 PROMPT = 320  # tokens; a prompt of n tokens is the first n of it (the model is causal)

@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from specdec import sampling, sampling_params
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 from specdec.errors import InvalidArgument
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec import modeling, quantize
-from specdec.engine import Engine
-from specdec.engine.model_runner import FusedRMSNorm, StaticPasses, fuse_launches
+from specdec.runtime import modeling, quantize
+from specdec.runtime.engine import Engine
+from specdec.runtime.engine.model_runner import FusedRMSNorm, StaticPasses, fuse_launches
 
 ROOT = Path(__file__).resolve().parents[2]
 

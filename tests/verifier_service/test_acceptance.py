@@ -9,7 +9,7 @@ from scipy import stats
 from specdec import sampling
 from specdec.sampling import Draws
 from verifier_service.acceptance import accept_greedy, accept_sampled, dense_q
-from specdec.common.v1 import common_pb2
+from specdec.api.common.v1 import common_pb2
 
 
 def test_greedy_all_accepted_gives_the_bonus():
@@ -101,7 +101,7 @@ def test_a_matcher_that_failed_with_no_new_token_is_invalid_argument_not_an_inde
     import json
 
     from specdec import grammar
-    from specdec.common.v1 import common_pb2
+    from specdec.api.common.v1 import common_pb2
     from specdec.errors import InvalidArgument
     from verifier_service.passes import constrained
 

@@ -4,8 +4,8 @@ past the budget)."""
 
 import numpy as np
 
-from specdec.common.v1 import common_pb2
-from specdec.engine.block_manager import prefix_digests
+from specdec.api.common.v1 import common_pb2
+from specdec.runtime.engine.block_manager import prefix_digests
 from verifier_service.feature_cache import FeatureCache, Pending, join
 
 BS, WIDTH, LAYERS = 4, 3, (2, 5)

@@ -195,7 +195,7 @@ def main(argv=None):
 
     from tqdm import tqdm
 
-    from specdec import modeling
+    from specdec.runtime import modeling
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, required=True)

@@ -1,4 +1,4 @@
-"""Trains an EAGLE-3 head (specdec.eagle) for a target from the distillation data:
+"""Trains an EAGLE-3 head (specdec.runtime.eagle) for a target from the distillation data:
 `python -m tools.distill.eagle_head --work /tmp/distill --out DIR --minutes 35`.
 
 Data: the chat records of data.py (the target's own answers to the training prompts).
@@ -28,7 +28,7 @@ import torch
 
 from tools.distill import data
 from tools.distill.train import held_out_reference
-from specdec import eagle
+from specdec.runtime import eagle
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +137,9 @@ def step_costs(head_spec: str, target_spec: str, threads: int = 2, repeats: int 
     alternately in one run on `threads` threads: medians in ms, and c, their ratio."""
     import statistics
 
-    from specdec import model_files, modeling, quantize
-    from specdec.engine import Engine
+    from specdec import model_files
+    from specdec.runtime import modeling, quantize
+    from specdec.runtime.engine import Engine
 
     torch.set_num_threads(threads)
     head = eagle.load_head(model_files.resolve(head_spec))
@@ -169,7 +170,8 @@ def step_costs(head_spec: str, target_spec: str, threads: int = 2, repeats: int 
 
 
 def main(argv=None):
-    from specdec import model_files, modeling
+    from specdec import model_files
+    from specdec.runtime import modeling
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, help="the data directory of data.py")

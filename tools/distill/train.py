@@ -3,7 +3,7 @@
 The draft is the target's embedding, its first `--layers` decoder layers (trained), its
 final norm (trained) and its tied output head. Only the trained layers and norm are
 shipped; the embedding is borrowed from the installed target when the draft is first
-loaded (`borrowed.json`, see specdec.modeling). It trains over the `--vocab`
+loaded (`borrowed.json`, see specdec.runtime.modeling). It trains over the `--vocab`
 tokens the target uses most, and drafts from the `--serve-vocab` most used of those
 (`draft_vocab.json`): on a CPU the 49k-row head is a large part of a small model's step.
 
@@ -177,7 +177,7 @@ def main(argv=None):
 
     from tqdm import tqdm
 
-    from specdec import modeling
+    from specdec.runtime import modeling
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="the data directory of data.py")
