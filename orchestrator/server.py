@@ -199,20 +199,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 raise InvalidArgument("text", "must not be empty")
             return self.tokenizer(r.text)["input_ids"]
         if which == "chat":
-            if not r.chat.messages:
-                raise InvalidArgument("chat.messages", "must not be empty")
-            for i, m in enumerate(r.chat.messages):
-                if m.role not in CHAT_ROLES:
-                    raise InvalidArgument(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
-            if not self.tokenizer.chat_template:
-                raise InvalidArgument("chat", "the target model has no chat template; send text")
-            try:
-                rendered = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in r.chat.messages],
-                    add_generation_prompt=True, tokenize=False)
-            except Exception as err:  # the template's own checks (roles that must alternate, ...)
-                raise InvalidArgument("chat.messages", f"the target's chat template refused them: {err}") from err
-            return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            return chat_ids(self.tokenizer, r.chat)
         ids = list(r.token_ids.ids)
         if not ids:
             raise InvalidArgument("token_ids.ids", "must not be empty")
@@ -563,6 +550,24 @@ def _failure(label: str, err: ServiceError | grpc.aio.AioRpcError) -> tuple[grpc
     return status, f"a service call failed: {err.details()}"
 
 
+def chat_ids(tokenizer, chat: pb.Chat) -> list[int]:
+    """The messages rendered by the target's chat template, ending with the assistant's turn."""
+    if not chat.messages:
+        raise InvalidArgument("chat.messages", "must not be empty")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidArgument(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
+    if not tokenizer.chat_template:
+        raise InvalidArgument("chat", "the target model has no chat template; send text")
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in chat.messages],
+            add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # the template's own checks (roles that must alternate, ...)
+        raise InvalidArgument("chat.messages", f"the target's chat template refused them: {err}") from err
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-orchestrator", description=__doc__)
     flags.add_server_flags(parser, "SPECDEC_ORCHESTRATOR", default_port=50051)
@@ -581,6 +586,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="file of bearer tokens, one per line: Generate, Complete and the admin service then need "
              "'authorization: Bearer <token>' (health and reflection stay open)")
     security.add_client_flags(parser, "SPECDEC_ORCHESTRATOR")
+    _replica_flags(parser)
+    _speculation_flags(parser)
+    return parser
+
+
+def _replica_flags(parser) -> None:
+    """Where the verifier and drafter replicas are, and how they scale."""
+    add = flags.add
     add(parser, "--verifiers", "--verifier", env="SPECDEC_VERIFIER_ADDRESSES", default="127.0.0.1:50053",
         help="comma-separated verifier replica host:port list (each request keeps one replica for its life; "
              "see orchestrator/verifiers.py)")
@@ -624,6 +637,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float, default=16.0, help="requests per verifier replica the autoscaler sizes the pool for")
     add(parser, "--autoscale-cooldown", env="SPECDEC_AUTOSCALE_COOLDOWN", type=float, default=30.0,
         help="seconds between two scaling decisions")
+
+
+def _speculation_flags(parser) -> None:
+    """The tokenizer, speculation, limits and timeouts."""
+    add = flags.add
     add(parser, "--tokenizer", env="SPECDEC_ORCHESTRATOR_TOKENIZER", default=defaults.DEFAULT_TARGET,
         help="the target's tokenizer (a model directory, hub id or .gguf file)")
     add(parser, "--num-speculative-tokens", env="SPECDEC_NUM_SPECULATIVE_TOKENS", type=int, default=4,
@@ -661,7 +679,6 @@ def build_parser() -> argparse.ArgumentParser:
              "UNAVAILABLE; the client's deadline still bounds it")
     add(parser, "--startup-timeout", env="SPECDEC_STARTUP_TIMEOUT", type=float, default=600.0,
         help="seconds to wait for the verifier and drafters to load")
-    return parser
 
 
 def check_limits(args) -> None:
@@ -672,6 +689,71 @@ def check_limits(args) -> None:
         if not 0 <= k <= MAX_DRAFT_TOKENS:
             raise SystemExit(f"specdec-orchestrator: {flag} must be in [0, {MAX_DRAFT_TOKENS}] (the drafts a "
                              f"verifier checks in one call), got {k}")
+
+
+async def connect_verifiers(args, tokenizer, credentials, options, metrics):
+    """The verifier pool, once a replica's model is checked; -> (pool, its source, the model)."""
+    source = replica_source(args.verifiers, args.verifier_dns, args.verifier_ray, args)
+    addresses = await source.addresses()
+    waited = time.monotonic() + args.startup_timeout
+    while not addresses and time.monotonic() < waited:  # replicas still loading (Ray, DNS)
+        await asyncio.sleep(min(1.0, args.drafter_refresh_interval))
+        addresses = await source.addresses()
+    verifiers = VerifierPool(addresses, model_files.vocab_fingerprint(tokenizer), args.tokenizer, credentials,
+                             options, slack=args.verifier_route_slack, refresh_s=args.drafter_refresh_interval,
+                             metrics=metrics, routing=args.verifier_routing)
+    log.info("waiting for a verifier (%s): %s", source.kind, ", ".join(addresses) or "none yet")
+    return verifiers, source, await verifiers.start(args.startup_timeout)
+
+
+async def connect_drafters(args, info, credentials, options):
+    """The drafter pool, each replica checked against the target where it answers;
+    -> (pool, its source)."""
+    source = replica_source(args.drafters, args.drafter_dns, args.drafter_ray, args)
+    pool = DrafterPool(await source.addresses(), info.vocab_fingerprint, info.model_name, credentials=credentials,
+                       options=options, target_layers=info.num_layers, target_hidden=info.hidden_size)
+    for replica in pool.replicas.values():
+        try:
+            await pool.check(replica, wait_s=args.startup_timeout)
+            log.info("drafter %s is compatible with the target %s", replica.address, info.model_name)
+        except grpc.aio.AioRpcError as err:
+            log.warning("drafter %s not reachable yet (%s); will retry", replica.address, err.code().name)
+    return pool, source
+
+
+def gauge(metrics: OrchestratorMetrics, servicer: OrchestratorServicer, pool: DrafterPool) -> None:
+    metrics.in_flight.set_function(lambda: len(servicer.in_flight))
+    metrics.lookup_memory.set_function(lambda: servicer.memory.held if servicer.memory else 0)
+    for healthy in (True, False):
+        metrics.replicas.labels(str(healthy).lower()).set_function(
+            lambda healthy=healthy: sum(r.healthy(time.monotonic()) == healthy for r in list(pool.replicas.values())))
+
+
+def background(args, servicer: OrchestratorServicer, admin: AdminServicer) -> list:
+    """What runs beside the calls once loaded: discovery, the autoscalers, the HTTP front."""
+    async def follow(source, pool, *what):
+        if source.kind != "static":
+            await discovery.follow(source, pool, args.drafter_refresh_interval, *what)
+
+    async def run(scaler):
+        if scaler is not None:
+            await scaler.run()
+
+    async def http():
+        if not args.http_port:
+            return
+        tokens = security.load_tokens(args.auth_token_file) if args.auth_token_file else []
+        front = OpenAIFront(servicer, args.served_model_name or servicer.info.model_name, tokens)
+        runner = await openai_api.serve(front.app(), args.host, args.http_port, security.ssl_context(args),
+                                        args.shutdown_grace)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    return [lambda: follow(admin.verifier_source, admin.verifiers, "verifiers"),
+            lambda: follow(admin.source, admin.pool), lambda: run(admin.autoscaler),
+            lambda: run(admin.verifier_autoscaler), http]
 
 
 async def serve(args, on_listen=None) -> None:
@@ -689,71 +771,19 @@ async def serve(args, on_listen=None) -> None:
     async def load():
         tokenizer = await asyncio.to_thread(model_files.load_tokenizer, args.tokenizer)
         credentials, options = security.channel_credentials(args), security.channel_options(args)
-        verifier_source = replica_source(args.verifiers, args.verifier_dns, args.verifier_ray, args)
-        verifier_addresses = await verifier_source.addresses()
-        waited = time.monotonic() + args.startup_timeout
-        while not verifier_addresses and time.monotonic() < waited:  # replicas still loading (Ray, DNS)
-            await asyncio.sleep(min(1.0, args.drafter_refresh_interval))
-            verifier_addresses = await verifier_source.addresses()
-        verifiers = VerifierPool(verifier_addresses, model_files.vocab_fingerprint(tokenizer), args.tokenizer,
-                                 credentials, options, slack=args.verifier_route_slack,
-                                 refresh_s=args.drafter_refresh_interval, metrics=metrics, routing=args.verifier_routing)
-        log.info("waiting for a verifier (%s): %s", verifier_source.kind, ", ".join(verifier_addresses) or "none yet")
-        info = await verifiers.start(args.startup_timeout)
-        source = replica_source(args.drafters, args.drafter_dns, args.drafter_ray, args)
-        addresses = await source.addresses()
-        pool = DrafterPool(addresses, info.vocab_fingerprint, info.model_name, credentials=credentials,
-                           options=options, target_layers=info.num_layers, target_hidden=info.hidden_size)
-        for replica in pool.replicas.values():
-            try:
-                await pool.check(replica, wait_s=args.startup_timeout)
-                log.info("drafter %s is compatible with the target %s", replica.address, info.model_name)
-            except grpc.aio.AioRpcError as err:
-                log.warning("drafter %s not reachable yet (%s); will retry", replica.address, err.code().name)
+        verifiers, verifier_source, info = await connect_verifiers(args, tokenizer, credentials, options, metrics)
+        pool, source = await connect_drafters(args, info, credentials, options)
         if args.warm_up:
             await warmup.measure_costs(servicer.costs, verifiers, pool, tokenizer, set(info.eos_token_ids),
                                        min(limits.default_k, limits.adaptive_max_k), limits.drafter_timeout_s,
                                        limits.verifier_timeout_s)
         servicer.ready(tokenizer, verifiers, pool)
-        metrics.in_flight.set_function(lambda: len(servicer.in_flight))
-        metrics.lookup_memory.set_function(lambda: servicer.memory.held if servicer.memory else 0)
-        metrics.replicas.labels("true").set_function(
-            lambda: sum(r.healthy(time.monotonic()) for r in list(pool.replicas.values())))
-        metrics.replicas.labels("false").set_function(
-            lambda: sum(not r.healthy(time.monotonic()) for r in list(pool.replicas.values())))
+        gauge(metrics, servicer, pool)
         admin.ready(pool, source, autoscaler(args, pool, source, metrics), verifiers, verifier_source,
                     verifier_autoscaler(args, verifiers, verifier_source, metrics))
         log.info("target %s (vocabulary %d), %d verifier replica(s) (%s), %d drafter replica(s) (%s)",
-                 info.model_name, info.vocab_size, len(verifier_addresses), verifier_source.kind, len(addresses),
-                 source.kind)
-
-    async def http():
-        if not args.http_port:
-            return
-        tokens = security.load_tokens(args.auth_token_file) if args.auth_token_file else []
-        front = OpenAIFront(servicer, args.served_model_name or servicer.info.model_name, tokens)
-        runner = await openai_api.serve(front.app(), args.host, args.http_port, security.ssl_context(args),
-                                        args.shutdown_grace)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
-
-    async def follow_verifiers():
-        if admin.verifier_source.kind != "static":
-            await discovery.follow(admin.verifier_source, admin.verifiers, args.drafter_refresh_interval, "verifiers")
-
-    async def follow_drafters():
-        if admin.source.kind != "static":
-            await discovery.follow(admin.source, admin.pool, args.drafter_refresh_interval)
-
-    async def autoscale():
-        if admin.autoscaler is not None:
-            await admin.autoscaler.run()
-
-    async def autoscale_verifiers():
-        if admin.verifier_autoscaler is not None:
-            await admin.verifier_autoscaler.run()
+                 info.model_name, info.vocab_size, len(verifiers.replicas), verifier_source.kind,
+                 len(pool.replicas), source.kind)
 
     await server.serve(
         name="orchestrator", host=args.host, port=args.port,
@@ -765,7 +795,7 @@ async def serve(args, on_listen=None) -> None:
         load=load,
         on_listen=on_listen,
         grace_s=args.shutdown_grace,
-        background=[follow_verifiers, follow_drafters, autoscale, autoscale_verifiers, http],
+        background=background(args, servicer, admin),
         security=server.security(args, args.auth_token_file),
         serving=lambda: servicer.tokenizer is None or servicer.verifiers.problem is None,
         drained=servicer.drained,

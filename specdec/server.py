@@ -178,24 +178,72 @@ async def serve(
     `serving()`: whether the service can take calls now (health follows it once loaded).
     `drained()`: work the calls left behind, awaited once they have all ended.
     `message_bytes`: the largest message its main port takes or sends (specdec.wire)."""
-    health_servicer = health.aio.HealthServicer()
-    everything = [*service_names, *(admin.service_names if admin else [])]
-    for service in ("", *everything):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    servers = []
-    server, bound = await start_listener(name, Listener(host, port, service_names, register), health_servicer,
-                                         security, message_bytes)
-    servers.append(server)
+    health_ = _Health([*service_names, *(admin.service_names if admin else [])])
+    await health_.set(NOT_SERVING)
+    servers, bound = await _listen(name, Listener(host, port, service_names, register), admin, health_.servicer,
+                                   security, message_bytes)
+    stop = _stop_signal(on_listen, bound)
+    tasks = []
+    try:
+        loader = asyncio.ensure_future(load())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not loader.done():
+            loader.cancel()
+            return
+        loader.result()  # a failed load ends the process with its error
+        await health_.set(SERVING)
+        tasks = [asyncio.ensure_future(task()) for task in background]
+        tasks.append(asyncio.ensure_future(health_.follow(serving, service_names)))
+        log.info("%s serving on %s:%d", name, host, bound)
+        await stopper
+    finally:
+        await _drain(name, health_, servers, tasks, grace_s, drained)
+
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class _Health:
+    """The health service of every port: NOT_SERVING until loaded, then each main
+    service as `serving()` says."""
+
+    def __init__(self, services: list[str]):
+        self.servicer, self.services = health.aio.HealthServicer(), services
+
+    async def set(self, status, services: list[str] | None = None) -> None:
+        for service in ("", *(self.services if services is None else services)):
+            await self.servicer.set(service, status)
+
+    async def follow(self, serving: Callable[[], bool], services: list[str]) -> None:
+        now = True
+        while True:
+            await asyncio.sleep(1.0)
+            if serving() != now:
+                now = not now
+                await self.set(SERVING if now else NOT_SERVING, services)
+
+
+async def _listen(name: str, main: Listener, admin: Listener | None, health_servicer, security: Security,
+                  message_bytes: int) -> tuple[list, int]:
+    """The main port's server, the admin port's and the plaintext health port's (those
+    asked for); -> (the servers, the main port as bound)."""
+    server, bound = await start_listener(name, main, health_servicer, security, message_bytes)
+    servers = [server]
     if admin is not None:
         servers.append((await start_listener(name, admin, health_servicer, security))[0])
     if security.health_port:
-        probe, _ = create_server(host, security.health_port)
+        probe, _ = create_server(main.host, security.health_port)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe)
         await probe.start()
         servers.append(probe)
-        log.info("%s answers health checks in plaintext on %s:%d", name, host, security.health_port)
-    log.info("%s listening on %s:%d (not serving until loaded)", name, host, bound)
+        log.info("%s answers health checks in plaintext on %s:%d", name, main.host, security.health_port)
+    log.info("%s listening on %s:%d (not serving until loaded)", name, main.host, bound)
+    return servers, bound
 
+
+def _stop_signal(on_listen: Callable[[int, Callable[[], None]], None] | None, bound: int) -> asyncio.Event:
+    """Set on SIGTERM or SIGINT (in the main thread), or by the embedding host's stop."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if threading.current_thread() is threading.main_thread():
@@ -203,43 +251,21 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
     if on_listen is not None:
         on_listen(bound, lambda: loop.call_soon_threadsafe(stop.set))
+    return stop
 
-    tasks = []
-    try:
-        loader = asyncio.ensure_future(load())
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if loader.done():
-            loader.result()  # a failed load ends the process with its error
-            for service in ("", *everything):
-                await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-            async def follow_serving():
-                now = True
-                while True:
-                    await asyncio.sleep(1.0)
-                    if serving() != now:
-                        now = not now
-                        status = health_pb2.HealthCheckResponse.SERVING if now else \
-                            health_pb2.HealthCheckResponse.NOT_SERVING
-                        for service in ("", *service_names):
-                            await health_servicer.set(service, status)
 
-            tasks = [asyncio.ensure_future(task()) for task in (*background, follow_serving)]
-            log.info("%s serving on %s:%d", name, host, bound)
-            await stopper
-        else:
-            loader.cancel()
-    finally:
-        log.info("%s draining: calls in flight have %.0f s to finish", name, grace_s)
-        await health_servicer.enter_graceful_shutdown()
-        for task in tasks:
-            task.cancel()
-        # The background tasks' own ends (the HTTP front drains its requests) are awaited with
-        # the gRPC calls': a request still running there leaves its sessions to `drained`.
-        stopping = [s.stop(grace_s) for s in servers]
-        if tasks:
-            stopping.append(asyncio.wait(tasks, timeout=grace_s + 1.0))
-        await asyncio.gather(*stopping)
-        if drained is not None:
-            await drained()
-        log.info("%s stopped", name)
+async def _drain(name: str, health_: _Health, servers: list, tasks: list, grace_s: float,
+                 drained: Callable[[], Awaitable[None]] | None) -> None:
+    log.info("%s draining: calls in flight have %.0f s to finish", name, grace_s)
+    await health_.servicer.enter_graceful_shutdown()
+    for task in tasks:
+        task.cancel()
+    # The background tasks' own ends (the HTTP front drains its requests) are awaited with
+    # the gRPC calls': a request still running there leaves its sessions to `drained`.
+    stopping = [s.stop(grace_s) for s in servers]
+    if tasks:
+        stopping.append(asyncio.wait(tasks, timeout=grace_s + 1.0))
+    await asyncio.gather(*stopping)
+    if drained is not None:
+        await drained()
+    log.info("%s stopped", name)

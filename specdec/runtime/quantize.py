@@ -258,27 +258,38 @@ def quantize(model, method: str):
         raise ValueError(f"--quantize {method} is the CPU path; the model is on {model.device} "
                          "(use --dtype bfloat16 there)")
     if method == "gguf" or method in BLOCKS:
-        if method == "gguf" and not source:
-            raise ValueError("--quantize gguf keeps a GGUF file's blocks: the model was not loaded from a .gguf file")
-        replaced = ggml.load_blocks(model, source) if method == "gguf" else ggml.quantize_blocks(model, BLOCKS[method])
-        for parent in list(model.modules()):
-            _share_inputs(parent, ggml.fuse)
-        norms = ggml.replace_norms(model)
-        ggml.replace_activations(model)
-        held = ggml.arrange(model)
-        log.info("%d layers run on %s (%.0f MB, on huge pages where the system gives them), %d norms in one "
-                 "kernel each", replaced, "the GGUF file's own blocks" if method == "gguf" else
-                 f"{method.upper()} blocks quantized at load", held / 1e6, norms)
+        _to_blocks(model, method, source)
     else:
-        head = model.get_output_embeddings()
-        for parent in list(model.modules()):
-            _share_inputs(parent, _int8_fused)
-            for name, child in list(parent.named_children()):
-                if isinstance(child, torch.nn.Linear) or child is head:
-                    setattr(parent, name, Int8Linear(child))
-        if ggml.available():  # a row's activations the same bits whatever the pass's split
-            ggml.replace_activations(model)
+        _to_int8(model)
     model.config.specdec_quantize = method
     if model._can_set_attn_implementation():
         model.set_attn_implementation(FLOAT64_ATTENTION)  # the engine sets its own, in float64 too
     return model
+
+
+def _to_blocks(model, method: str, source: str | None) -> None:
+    """The linears in GGUF blocks for the C++ kernels: a .gguf file's own ("gguf") or
+    blocks quantized at load (BLOCKS)."""
+    if method == "gguf" and not source:
+        raise ValueError("--quantize gguf keeps a GGUF file's blocks: the model was not loaded from a .gguf file")
+    replaced = ggml.load_blocks(model, source) if method == "gguf" else ggml.quantize_blocks(model, BLOCKS[method])
+    for parent in list(model.modules()):
+        _share_inputs(parent, ggml.fuse)
+    norms = ggml.replace_norms(model)
+    ggml.replace_activations(model)
+    held = ggml.arrange(model)
+    log.info("%d layers run on %s (%.0f MB, on huge pages where the system gives them), %d norms in one "
+             "kernel each", replaced, "the GGUF file's own blocks" if method == "gguf" else
+             f"{method.upper()} blocks quantized at load", held / 1e6, norms)
+
+
+def _to_int8(model) -> None:
+    """Every linear and the head in int8 products through torch."""
+    head = model.get_output_embeddings()
+    for parent in list(model.modules()):
+        _share_inputs(parent, _int8_fused)
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) or child is head:
+                setattr(parent, name, Int8Linear(child))
+    if ggml.available():  # a row's activations the same bits whatever the pass's split
+        ggml.replace_activations(model)

@@ -373,6 +373,57 @@ class Engine:
                 error: Exception | None, done: Pass) -> list[tuple[Work, torch.Tensor, torch.Tensor | None]]:
         """A pass's end for each of its works; -> the decode steps whose token is to be
         picked (still marked in the pass, so that nothing frees their session meanwhile)."""
+        self._count(done, error)
+        kept = kept_logits = 0
+        deciding = []
+        for row in batch:
+            work, seq = row.work, row.work.seq
+            work.in_pass = False
+            if seq.released:
+                self._finish(work, error=_closed())
+                self.blocks.evict(seq)  # closed during the pass: its blocks are free now
+            elif error is not None:
+                self.blocks.evict(seq)  # its cache is in doubt: it recomputes from its tokens
+                self._finish(work, error=error)
+            elif logits is None:  # abandoned (every row cancelled): what it wrote past row.start is not counted
+                self._finish(work)
+            else:
+                picked = self._keep(row, logits[kept_logits:kept_logits + row.logit_rows], features, kept, done)
+                if picked is not None:
+                    deciding.append(picked)
+            kept += row.wanted
+            kept_logits += row.logit_rows
+        self.cond.notify()
+        return deciding
+
+    def _keep(self, row: Row, logits: torch.Tensor, features: dict | None, kept: int, done: Pass):
+        """A row's logits (and features, from `kept` on) kept with its work; a work that
+        has all it asked for ends, or -> (work, logits, features) where its token is to
+        be picked."""
+        work, seq = row.work, row.work.seq
+        seq.cached = row.start + row.n
+        self.blocks.computed(seq)
+        if row.start <= len(seq.tokens) - work.last:
+            # This row computes from the first wanted position on: logits of earlier
+            # passes are of a cache since preempted (recomputed now), not to be kept twice.
+            work.parts, work.feature_parts = [], []
+        work.parts.append(logits)
+        if work.layers:
+            work.feature_parts.append(torch.cat([features[layer][kept:kept + row.wanted]
+                                                 for layer in work.layers], dim=-1))
+        if work.cancelled:
+            self._finish(work)
+        elif work.remaining == 0:
+            finished = work.parts[0] if len(work.parts) == 1 else torch.cat(work.parts)
+            feats = torch.cat(work.feature_parts) if work.layers else None
+            if work.then is not None:
+                work.in_pass = True
+                return work, finished, feats
+            self._finish(work, result=(finished, done, feats) if work.layers else (finished, done))
+        return None
+
+    def _count(self, done: Pass, error: Exception | None) -> None:
+        """A pass into the engine's counters, metrics and periodic log line."""
         self.passes += 1
         self.rows += done.rows
         self.tokens += done.tokens
@@ -394,44 +445,6 @@ class Engine:
                      (now - self.logged[0]), len(self.blocks.holders), self.blocks.used,
                      self.pool.capacity, self.scheduler.waiting())
             self.logged = (now, self.passes, self.rows, self.tokens, self.busy_s)
-        kept = kept_logits = 0
-        deciding = []
-        for row in batch:
-            work, seq = row.work, row.work.seq
-            work.in_pass = False
-            if seq.released:
-                self._finish(work, error=_closed())
-                self.blocks.evict(seq)  # closed during the pass: its blocks are free now
-            elif error is not None:
-                self.blocks.evict(seq)  # its cache is in doubt: it recomputes from its tokens
-                self._finish(work, error=error)
-            elif logits is None:  # abandoned (every row cancelled): what it wrote past row.start is not counted
-                self._finish(work)
-            else:
-                seq.cached = row.start + row.n
-                self.blocks.computed(seq)
-                if row.start <= len(seq.tokens) - work.last:
-                    # This row computes from the first wanted position on: logits of earlier
-                    # passes are of a cache since preempted (recomputed now), not to be kept twice.
-                    work.parts, work.feature_parts = [], []
-                work.parts.append(logits[kept_logits:kept_logits + row.logit_rows])
-                if work.layers:
-                    work.feature_parts.append(torch.cat([features[layer][kept:kept + row.wanted]
-                                                         for layer in work.layers], dim=-1))
-                if work.cancelled:
-                    self._finish(work)
-                elif work.remaining == 0:
-                    finished = work.parts[0] if len(work.parts) == 1 else torch.cat(work.parts)
-                    feats = torch.cat(work.feature_parts) if work.layers else None
-                    if work.then is None:
-                        self._finish(work, result=(finished, done, feats) if work.layers else (finished, done))
-                    else:
-                        work.in_pass = True
-                        deciding.append((work, finished, feats))
-            kept += row.wanted
-            kept_logits += row.logit_rows
-        self.cond.notify()
-        return deciding
 
     @staticmethod
     def _pick(work: Work, logits: torch.Tensor, features: torch.Tensor | None, done: Pass
