@@ -143,8 +143,7 @@ class RoundCosts:
         a run's steps measured while other sessions speculate share their passes with those
         sessions' drafts (and, on shared cores, the CPU with their drafter), and pricing
         K = 0 at that would make speculation look better the more sessions speculate
-        (measured: 16 streams of unseen chat on 2 cores settled on K = 1 rounds at 0.37
-        acceptance, far slower than the target alone)."""
+        (measured at 16 streams: docs/benchmarks.md#figures-behind-the-code)."""
         batch_pass = self.batch_pass(max(1.0, self.rows))
         return self.plain if batch_pass is None else min(self.plain, batch_pass)
 
@@ -189,8 +188,7 @@ class RoundCosts:
         and whether the probe answered before the run ended. The steps of a run whose probe
         answered, beyond an unprobed run's, are what a probe costs. A probe still working
         at the run's end measures nothing: its drafter step in flight finishes after the
-        run, on whatever comes next (measured on 2 cores: such runs lost 0-3 ms, where a
-        probe that answered cost its run 37 ms)."""
+        run, on whatever comes next (measured: docs/benchmarks.md#figures-behind-the-code)."""
         self.tried.add(0)
         per_token = seconds / tokens
         self.plain = per_token if self.plain is None else 0.9 * self.plain + 0.1 * per_token
@@ -274,8 +272,7 @@ class AdaptiveK:
     Speculation must promise `min_gain` more than the target alone before it is chosen:
     the model does not see everything a draft costs (a drafter on the verifier's cores
     takes CPU from every session's pass; a late row holds the next pass back), and at a
-    near tie it measured slower (8 streams on the default pair: K≈0.6 drafts per round at
-    a predicted tie gave 78% of the target alone's throughput).
+    near tie it measured slower (docs/benchmarks.md#figures-behind-the-code).
 
     A lookup round may draft up to `lookup_k_max` (default k_max) of the match's tokens:
     they cost no drafting, so only the pass's price and the acceptance bound K (an answer
@@ -288,8 +285,7 @@ class AdaptiveK:
         self.lookup_k_max = max(k_max, lookup_k_max or 0)
         # A constraint's forced tokens are drafted by the verifier within the runs of the
         # target alone (a pass checks them with the run's next token, no round trip): a
-        # round of them alone costs a call more (measured on 2 cores: whole requests
-        # 0.6-0.9x K = 0 where such rounds ran).
+        # round of them alone costs a call more, and measured slower (docs/benchmarks.md#figures-behind-the-code).
         self.forced_in_rounds = False
         self.probes_beside_runs, self.probe_k = probes_beside_runs, 0
         self.probe_every, self.prior_weight, self.min_gain = probe_every, prior_weight, min_gain
@@ -328,8 +324,7 @@ class AdaptiveK:
         at a time, so their price is what they add to the pass they join (the usual rows,
         one token each, and this row's k drafts), not a pass where every row drafts k, as a
         model round's is: on a CPU under load each token of a pass costs nearly what a row
-        does (measured on 2 cores, 8 rows of one token: one row's draft made the pass 1.11x
-        longer, a draft in every row 1.62x). At one row the two prices are the same."""
+        does (docs/benchmarks.md#figures-behind-the-code). At one row the two prices are the same."""
         rows = max(1.0, self.costs.rows)
         seconds, draft = self.costs.batch_pass(rows + k), self.costs.lookup_draft(k) if call else 0.0
         if seconds is None or draft is None:
@@ -345,8 +340,7 @@ class AdaptiveK:
         another tries its first match. Either way K grows with what the request's own
         lookup drafts have passed, at most twice that (one draft before any): the
         deployment's acceptance comes from other requests (a copying one drives it near 1),
-        and a long round that fails costs a chat request several steps (measured, 48-token
-        chat requests on 2 cores: a 12-draft lookup round after one passing check)."""
+        and a long round that fails costs a chat request several steps (docs/benchmarks.md#figures-behind-the-code)."""
         reach = min(matched, max(1, 2 * self.lookup_accepted))
         if self.probes_beside_runs:
             if self.lookup_tested == 0:
@@ -373,9 +367,7 @@ class AdaptiveK:
         one token per row. Within that bound the verifier drafts one before any passed,
         then up to twice as many as its last lookup drafts kept: a copy's drafts pass in
         runs, which a bound from the request's own passes so far would cut short for the
-        whole run (measured on structured work at one stream: 1.34x, 1.45x K = 0 against
-        1.44x unbounded). Unpriced, on 2 cores they cost more than they saved under load
-        (8 streams of unseen chat: 0.94x, 0.97x K = 0, where runs without them gave 1.00x).
+        whole run; unpriced, they cost more than they saved under load (docs/benchmarks.md#figures-behind-the-code).
         A request whose runs do not check its matches for free (`checks`: a greedy one's
         do, see _target_alone) drafts one a pass until its first lookup pass says what they
         get: priced on the deployment's acceptance alone, a request of another kind than
@@ -445,11 +437,10 @@ class AdaptiveK:
         if self.probes_beside_runs and self.costs.run_step:
             # A probe beside a run slows that run's steps (and those of the rows it shares
             # passes with) where the drafter shares the verifier's cores: probes wait long
-            # enough that they take at most PROBE_SHARE of the time (measured on 2 cores: a
-            # probe that prefilled a 28-token history cost a 16-step run 37 ms, 40%). Until a
+            # enough that they take at most PROBE_SHARE of the time (docs/benchmarks.md#figures-behind-the-code). Until a
             # probe has answered beside a run, one is priced at a drafter call of one draft:
             # the CPU it would take from the steps. Probes that the runs outlast say nothing
-            # of their cost (on 2 cores, a warm-up whose probes did not answer measured 0 ms).
+            # of their cost.
             cost = self.costs.probe_cost if self.costs.probe_cost is not None else self.costs.draft(1)
             if cost:
                 period = max(period, math.ceil(cost / (PROBE_SHARE * self.costs.run_step)))

@@ -251,7 +251,7 @@ class VerifierLink:
 
 # Verifier errors that say the session's replica is gone for it: unreachable, or stopping
 # (a verifier that began its drain on SIGTERM answered a call that reached it then with
-# CANCELLED, 6 ms in; the orchestrator's own cancellations never arrive as an error).
+# CANCELLED; the orchestrator's own cancellations never arrive as an error).
 REPLICA_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 

@@ -3,8 +3,7 @@
 A fresh deployment's K policy knows no cost: its first request would learn them itself,
 a run of the target alone, then a K = 1 probe whose drafter call prefills the prompt on
 a cold drafter (on shared cores, beside the verifier's steps), then a first K = k_start
-round. A short first request pays for all of it (measured on 2 cores: 0.82x the target
-alone over 48 chat tokens, where later requests ran at 1.01x). So the orchestrator
+round. A short first request pays for all of it (measured: docs/benchmarks.md#figures-behind-the-code). So the orchestrator
 measures them first, as a server warms up before it reports ready: a run of the target
 alone, runs with a probe of the drafter beside them (what a probe costs a run where the
 drafter shares the verifier's cores), then rounds of 1 and of k_start model drafts, on

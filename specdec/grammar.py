@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 MAX_GRAMMAR_BYTES = 64 * 1024
 # Bounds on what one grammar may cost: building its lexer, and each step's mask. The step
-# bounds stay llguidance's defaults (about 15 ms of work at most); construction is capped
-# well under a second (llguidance's default fuel is ~20 ms; ten times that).
+# bounds stay llguidance's defaults; construction is capped well under a second (ten
+# times llguidance's default fuel).
 LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=10_000_000, max_grammar_size=200_000, verbose_errors=False)
 # JSON as the models write it (json.dumps' separators) and no free whitespace, where a
 # small model can spend its whole budget on blank lines.

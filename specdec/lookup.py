@@ -19,8 +19,7 @@ def follow(tokens: list[int], start: int, k: int) -> list[int]:
     """k drafts copying tokens[start:] on, where `start` < len(tokens): a copy that reaches
     the end of the tokens goes on copying its own drafts, as the text it copies would. So
     a loop (a greedy small model's "He is tall. He is tall.") drafts k tokens, not one
-    period of it (measured on 2 cores: loops of 4 to 7 tokens kept lookup rounds at K = 4
-    to 7 at 0.96 acceptance)."""
+    period of it (docs/benchmarks.md#figures-behind-the-code)."""
     drafts = tokens[start:start + k]
     period = len(tokens) - start
     while len(drafts) < k:
@@ -85,8 +84,7 @@ class OutputMemory:
     It also counts what followed each `long_n`-token context, and a step takes those
     counts where the drafts so far end in one held: short n-grams recur across and within
     answers (JSON keys, a phrase said twice), so a walk on them alone strays from the
-    answer it is following (measured: the same four requests sent again and again drew
-    rounds of 6 drafts at 0.6 acceptance), while a long context names that answer."""
+    answer it is following (docs/benchmarks.md#figures-behind-the-code), while a long context names that answer."""
 
     def __init__(self, max_tokens: int, max_n: int, min_n: int, min_score: float = 0.3, long_n: int = 16):
         self.max_tokens, self.max_n, self.min_n, self.min_score = max_tokens, max_n, min_n, min_score

@@ -81,10 +81,8 @@ def arrange(model) -> int:
     pages (Linux's transparent huge pages, which it gives where asked: `madvise`, the
     default of most distributions); -> its bytes. A one-token pass streams every weight
     once: on 4 KiB pages it walked the page tables for each 4 KiB it read (the default
-    target's 96 MB: some 24,000 pages a pass, far past what the TLB holds). Measured on
-    a 2-core Xeon, one run, THP off and on alternately, medians of 40 one-token passes
-    of the engine: 1 thread 9.0/11.9/11.9 ms off, 9.8/8.9/10.4 on; 2 threads the same
-    within the noise."""
+    target's 96 MB: some 24,000 pages a pass, far past what the TLB holds). Measured:
+    docs/benchmarks.md#figures-behind-the-code."""
     modules = [m for m in model.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))]
     held = {}  # a tied head shares its embedding's blocks: moved once
     for m in modules:

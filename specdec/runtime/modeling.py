@@ -17,9 +17,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class _FewRowsHead(torch.nn.Module):
-    """The output head, computed as W @ hᵀ for 2 to 16 rows. On the CPU measured here
-    (MKL, AVX2) a verify pass's K+1 rows through SmolLM2's 49k-row head cost about 40%
-    less that way than as h @ Wᵀ; one row (decoding) and many rows (prefill, training)
+    """The output head, computed as W @ hᵀ for 2 to 16 rows. A verify pass's K+1
+    rows through SmolLM2's 49k-row head cost less that way than as h @ Wᵀ (docs/benchmarks.md#figures-behind-the-code); one row (decoding) and many rows (prefill, training)
     keep the usual product."""
 
     def __init__(self, head: torch.nn.Linear):

@@ -24,7 +24,7 @@ a one-token step's 211 products to 121 and its time by about a tenth.
 
 Rounding activations to int8 also magnifies any float difference: a last-bit change in
 an attention output can move a value across a rounding step, and greedy outputs part
-within a few dozen tokens (measured on the default pair). Float32 attention is not
+within a few dozen tokens (the default pair, greedy). Float32 attention is not
 batch-invariant (its reductions follow the shapes of the pass), so an int8 model
 attends in float64 and casts back: the float32 result no longer depends on the pass.
 Norms, rotary embeddings and activations already work row by row, element by element."""
@@ -140,8 +140,8 @@ class Int8Linear(torch.nn.Module):
         if self.packed is not None:
             y = _fbgemm_product(self.packed, rows_int) * scale
         else:
-            # The transposed view, not a transposed copy: measured as fast or faster for every
-            # shape of SmolLM2 but the output head at 2+ rows, where it costs 0.3 ms more.
+            # The transposed view, not a transposed copy: as fast or faster for every shape of
+            # SmolLM2 but the output head at 2+ rows (docs/benchmarks.md#figures-behind-the-code).
             y = torch._int_mm(rows_int.to(torch.int8), self.weight_int8.t())
             y = y.float() * scale * self.weight_scale
         if self.bias is not None:

@@ -44,9 +44,7 @@ def one_thread_outside_engines() -> None:
     core; call it before the model loads. libgomp's threads spin between two parallel
     operations only while the process has no more of them than cores; the pool a second
     thread leaves behind (the model loader's, the event loop's) makes each of a pass's
-    ~200 parallel operations sleep and wake instead. Measured on 2 cores, int8
-    (`specdec bench engine --threads 2`): a step took 31.0 ms beside such a
-    pool, 14.7 ms without it."""
+    ~200 parallel operations sleep and wake instead. Measured: docs/benchmarks.md#figures-behind-the-code."""
     global _one_thread_elsewhere
     _one_thread_elsewhere = True
     torch.set_num_threads(1)
@@ -458,12 +456,10 @@ class Engine:
     def _post(self, loop: asyncio.AbstractEventLoop, call: Callable, arg) -> None:
         """call(arg) on `loop`, with the pass's other posts to it, sent as the next pass
         starts (or the engine waits, or a work ends: a loop runs a work's end after its
-        tokens). One wake-up a token took 5% of the engine's thread at 8 streams (py-spy,
-        2 cores); with one a pass, sent as the next pass starts, the target alone served
-        1.06x the tokens per second at one stream and at 8 (docs/benchmarks.md). A
-        wake-up still costs the engine's thread the time the loop's thread then holds
-        the interpreter's lock (10% at one stream); a thread of their own to send them
-        measured no better."""
+        tokens). A wake-up a token took a share of the engine's thread that one a pass does
+        not; a wake-up still costs the engine's thread the time the loop's thread then
+        holds the interpreter's lock, and a thread of their own to send them measured no
+        better (docs/benchmarks.md#the-engines-hand-off-to-the-event-loop-on-a-cpu)."""
         with self.posts_lock:
             self.posts.setdefault(loop, []).append((call, arg))
 
