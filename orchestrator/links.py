@@ -21,7 +21,8 @@ from specdec.api.drafter.v1 import drafter_pb2
 from specdec.errors import needs_resync
 from specdec.lookup import LookupIndex, OutputMemory
 from specdec.api.verifier.v1 import verifier_pb2
-from orchestrator.pool import DrafterPool, FeatureRule, Replica
+from orchestrator.bridge import Aligned
+from orchestrator.pool import DrafterPool, DrafterReplica, FeatureRule, Replica
 from orchestrator.stats import Stats
 from orchestrator.tasks import spawn
 
@@ -306,6 +307,8 @@ class DrafterLink:
         self.lookup: LookupIndex | None = None  # the drafters' lookup rule over this request's history
         self.features = features  # a feature drafter's: the verifier's link fills the same feed
         self.features_held = 0  # the replica holds the features of positions before this one
+        self.aligned: Aligned | None = None  # on a drafter of another vocabulary: the history in its tokens
+        self.sampling = params
 
     def lookup_drafts(self, history: list[int], k: int) -> list[int]:
         """Drafts by prompt lookup after `history` (up to k), by the rule the drafters
@@ -347,7 +350,10 @@ class DrafterLink:
                 self.synced = 0
                 if self.replica is None:
                     return [], []
+                self._on_replica(self.replica)
             try:
+                if self.aligned is not None:
+                    return await self._propose_across(history, k, committed)
                 return await self._propose(history, k, len(history) if committed is None else committed)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline.passed():
@@ -367,6 +373,28 @@ class DrafterLink:
                 self.stats.failed_over()
         return [], []
 
+    def _on_replica(self, replica: DrafterReplica) -> None:
+        """A new replica's session: in its own tokens where its vocabulary is another, and
+        without the logit bias there (it names the target's tokens)."""
+        self.aligned = Aligned(replica.bridge) if replica.bridge is not None else None
+        self.sampling = self.params
+        if self.aligned is not None and self.params.logit_bias:
+            self.sampling = common_pb2.SamplingParams()
+            self.sampling.CopyFrom(self.params)
+            self.sampling.logit_bias.clear()
+
+    async def _propose_across(self, history: list[int], k: int, committed: int | None):
+        """Drafts of a drafter with another vocabulary, carried over to the target's tokens
+        (orchestrator.bridge). Drafts after a guess (committed < len(history): drafting
+        ahead) are not asked for: the guess's tokens need not be whole words in its text."""
+        if committed is not None and committed < len(history):
+            return [], []
+        drafted = self.aligned.draft_history(history)
+        self.synced = min(self.synced, self.aligned.kept(drafted))
+        drafts, qs = await self._propose(drafted, k, len(drafted))
+        self.aligned.sent = drafted
+        return self.replica.bridge.to_target(history, drafted, drafts, qs, k)
+
     def _features_for(self, committed: int) -> common_pb2.Features | None:
         """The features the replica lacks, up to the position before the last committed one."""
         if self.features is None:
@@ -381,7 +409,7 @@ class DrafterLink:
             features = self._features_for(committed)
             request = drafter_pb2.ProposeRequest(
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
-                num_draft_tokens=k, sampling=self.params, features=features)
+                num_draft_tokens=k, sampling=self.sampling, features=features)
             drafts, qs = [], []
             try:
                 async for run in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s),

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from specdec import model_files
 from specdec.api.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from orchestrator.bridge import Bridge
 from specdec.security import aio_channel
 from orchestrator.tasks import spawn
 from specdec.wire import SERVICE_MESSAGE_BYTES, message_options
@@ -28,14 +30,7 @@ CHANNEL_OPTIONS = [
 
 
 class IncompatiblePair(Exception):
-    """A drafter whose vocabulary differs from the target's."""
-
-
-def check_vocab(address: str, info, target_fingerprint: str, target_name: str) -> None:
-    if info.vocab_fingerprint and info.vocab_fingerprint != target_fingerprint:
-        raise IncompatiblePair(
-            f"drafter {address} serves {info.model_name!r}, whose vocabulary differs from the target "
-            f"{target_name!r}: a draft model must share the target's tokenizer")
+    """A replica whose model cannot serve beside the target's (and why)."""
 
 
 def check_features(address: str, info, target_layers: int, target_hidden: int, target_name: str) -> None:
@@ -144,6 +139,7 @@ class Replicas:
 @dataclass(eq=False)
 class DrafterReplica(Replica):
     checked: bool = False
+    bridge: Bridge | None = None  # a draft of another vocabulary: how its drafts carry over (orchestrator.bridge)
 
 
 class DrafterPool(Replicas):
@@ -151,8 +147,12 @@ class DrafterPool(Replicas):
 
     def __init__(self, addresses: list[str], target_fingerprint: str, target_name: str, retry_s: float = 2.0,
                  credentials: grpc.ChannelCredentials | None = None, options=(), target_layers: int = 0,
-                 target_hidden: int = 0):
+                 target_hidden: int = 0, tokenizer=None, draft_tokenizer: str = ""):
         self.target_fingerprint, self.target_name = target_fingerprint, target_name
+        # For drafts of another vocabulary: the target's tokenizer, and where the drafters'
+        # is (default: their model's name); the bridges built, by the drafters' vocabulary.
+        self.tokenizer, self.draft_tokenizer = tokenizer, draft_tokenizer
+        self.bridges: dict[str, Bridge] = {}
         self.target_layers, self.target_hidden = target_layers, target_hidden
         # The drafters' prompt-lookup rule (min, max match), as the last replica checked
         # says (a deployment's replicas run one configuration); None: they never look up.
@@ -167,12 +167,39 @@ class DrafterPool(Replicas):
     async def check(self, replica: DrafterReplica, wait_s: float = 0.0) -> None:
         """Checks the replica's vocabulary against the target's (IncompatiblePair)."""
         info = await wait_for_info(replica.stub, drafter_pb2.GetModelInfoRequest(), wait_s)
-        check_vocab(replica.address, info, self.target_fingerprint, self.target_name)
+        if info.vocab_fingerprint and info.vocab_fingerprint != self.target_fingerprint:
+            replica.bridge = await self.bridge(replica.address, info)
         check_features(replica.address, info, self.target_layers, self.target_hidden, self.target_name)
         replica.checked = True
         self.lookup_rule = (info.lookup_min_match, info.lookup_max_match) if info.lookup_max_match > 0 else None
         self.feature_rule = FeatureRule(tuple(info.feature_layers), info.feature_window) \
             if info.feature_layers else None
+
+    async def bridge(self, address: str, info) -> Bridge:
+        """How drafts of a drafter with another vocabulary carry over to the target's; a
+        drafter whose drafts cannot keep the output exact is refused (IncompatiblePair)."""
+        if info.vocab_fingerprint in self.bridges:
+            return self.bridges[info.vocab_fingerprint]
+        differs = f"drafter {address} serves {info.model_name!r}, whose vocabulary differs from the target " \
+                  f"{self.target_name!r}"
+        if info.feature_layers:
+            raise IncompatiblePair(f"{differs}: a head that drafts from the target's features must share its "
+                                   f"vocabulary")
+        if self.tokenizer is None:
+            raise IncompatiblePair(f"{differs}: a draft model must share the target's tokenizer")
+        spec = self.draft_tokenizer or info.model_name
+        try:
+            draft = await asyncio.to_thread(model_files.load_tokenizer, spec)
+        except Exception as err:
+            raise IncompatiblePair(f"{differs}, and its tokenizer does not load here ({spec!r}: {err}); name it "
+                                   f"with --draft-tokenizer") from err
+        if model_files.vocab_fingerprint(draft) != info.vocab_fingerprint:
+            raise IncompatiblePair(f"{differs}, and the tokenizer {spec!r} is not its own (another vocabulary); "
+                                   f"name the drafter's with --draft-tokenizer")
+        bridge = self.bridges[info.vocab_fingerprint] = await asyncio.to_thread(Bridge, self.tokenizer, draft)
+        log.info("%s: its drafts carry over to the target's tokens (%d of its %d tokens are the target's too)",
+                 differs, len(bridge.shared), len(draft))
+        return bridge
 
     async def acquire(self) -> DrafterReplica | None:
         """The least-loaded healthy replica, or None: the request goes on without one."""

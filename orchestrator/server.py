@@ -616,6 +616,10 @@ def _replica_flags(parser) -> None:
     add(parser, "--ray-address", env="SPECDEC_RAY_ADDRESS", default="auto",
         help="Ray cluster for --drafter-ray and --verifier-ray")
     add(parser, "--ray-namespace", env="SPECDEC_RAY_NAMESPACE", default="specdec", help="Ray namespace")
+    add(parser, "--draft-tokenizer", env="SPECDEC_DRAFT_TOKENIZER", default="",
+        help="for drafters whose model has another vocabulary than the target's: their tokenizer (a directory, hub "
+             "id or .gguf file; default: the drafter's model name, as it reports it); its drafts are carried "
+             "over to the target's tokens")
     add(parser, "--drafter-refresh-interval", env="SPECDEC_DRAFTER_REFRESH_INTERVAL", type=float, default=5.0,
         help="seconds between two lookups of the drafter and verifier sets (DNS or Ray), and between two checks "
              "of each verifier's model")
@@ -706,12 +710,13 @@ async def connect_verifiers(args, tokenizer, credentials, options, metrics):
     return verifiers, source, await verifiers.start(args.startup_timeout)
 
 
-async def connect_drafters(args, info, credentials, options):
+async def connect_drafters(args, info, tokenizer, credentials, options):
     """The drafter pool, each replica checked against the target where it answers;
     -> (pool, its source)."""
     source = replica_source(args.drafters, args.drafter_dns, args.drafter_ray, args)
     pool = DrafterPool(await source.addresses(), info.vocab_fingerprint, info.model_name, credentials=credentials,
-                       options=options, target_layers=info.num_layers, target_hidden=info.hidden_size)
+                       options=options, target_layers=info.num_layers, target_hidden=info.hidden_size,
+                       tokenizer=tokenizer, draft_tokenizer=args.draft_tokenizer)
     for replica in pool.replicas.values():
         try:
             await pool.check(replica, wait_s=args.startup_timeout)
@@ -772,7 +777,7 @@ async def serve(args, on_listen=None) -> None:
         tokenizer = await asyncio.to_thread(model_files.load_tokenizer, args.tokenizer)
         credentials, options = security.channel_credentials(args), security.channel_options(args)
         verifiers, verifier_source, info = await connect_verifiers(args, tokenizer, credentials, options, metrics)
-        pool, source = await connect_drafters(args, info, credentials, options)
+        pool, source = await connect_drafters(args, info, tokenizer, credentials, options)
         if args.warm_up:
             await warmup.measure_costs(servicer.costs, verifiers, pool, tokenizer, set(info.eos_token_ids),
                                        min(limits.default_k, limits.adaptive_max_k), limits.drafter_timeout_s,

@@ -8,7 +8,7 @@ import pytest
 sys.path.append(str(Path(__file__).parent))
 
 from cluster import as_tested  # noqa: E402
-from models import build_llama, eagle_head_for, noisy_copy, word_tokenizer  # noqa: E402
+from models import MICRO_WORDS, build_llama, eagle_head_for, noisy_copy, word_tokenizer  # noqa: E402
 from specdec import model_files  # noqa: E402
 from specdec.runtime import modeling
 
@@ -27,9 +27,6 @@ def tiny_pair(tmp_path_factory, smol_tokenizer):
     target = build_llama(smol_tokenizer, root / "target", seed=0, init_range=0.1, eos_token_id=2)
     noisy_copy(target, smol_tokenizer, root / "draft", noise=0.06, seed=1)
     return root / "target", root / "draft", as_tested(target)
-
-
-MICRO_WORDS = ["<eos>", "a", "b", "c", "d", "e", "f", "g"]
 
 
 @pytest.fixture(scope="session")

@@ -76,6 +76,9 @@ def save(model, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
+MICRO_WORDS = ["<eos>", "a", "b", "c", "d", "e", "f", "g"]  # the micro pair's vocabulary (tests/conftest.py)
+
+
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over `words` (the first is the end-of-sequence token)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
@@ -85,6 +88,60 @@ def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=words[0], unk_token=words[1])
+
+
+def bpe_tokenizer(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained here on `corpus`: another vocabulary than
+    SmolLM2's, sharing only the tokens both happen to learn."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def renumbered(tokenizer) -> PreTrainedTokenizerFast:
+    """`tokenizer` with its ids in reverse order: the same tokens of any text, under other
+    ids (another vocabulary, as far as ids go)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    last = len(tokenizer) - 1
+    data["model"]["vocab"] = {piece: last - i for piece, i in data["model"]["vocab"].items()}
+    for added in data["added_tokens"]:
+        added["id"] = last - added["id"]
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)),
+                                   eos_token=tokenizer.eos_token)
+
+
+def reindexed_copy(model, tokenizer, draft_tokenizer, path: Path, *, noise: float, seed: int):
+    """A draft in another vocabulary: the target with noise on every weight (noisy_copy),
+    each token's embedding and output rows the target's for the same string where the
+    target has it, random elsewhere."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**model.config.to_dict(), "vocab_size": len(draft_tokenizer),
+                            "eos_token_id": draft_tokenizer.eos_token_id})
+    draft = LlamaForCausalLM(config).eval()
+    target_rows = {piece: i for piece, i in tokenizer.get_vocab().items()}
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            source = dict(model.named_parameters())[name]
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                for piece, i in draft_tokenizer.get_vocab().items():
+                    if piece in target_rows:
+                        p[i] = source[target_rows[piece]]
+            else:
+                p.copy_(source)
+            spread = p.std() if p.numel() > 1 else p.abs()
+            p.add_(torch.randn_like(p) * spread * noise)
+    save(draft, draft_tokenizer, path)
+    return draft
 
 
 def eagle_head_for(model: LlamaForCausalLM, tokenizer, path: Path, *, seed: int, spread: float = 0.3) -> Path:

@@ -171,14 +171,16 @@ def test_services_keep_serving_after_bad_input(tiny_cluster):
         assert "bad-input" not in tiny_cluster.sessions(tiny_cluster.roles[role])
 
 
-def test_refuses_a_pair_whose_vocabularies_differ(tiny_cluster, micro_pair, tiny_pair):
-    """At start-up, with a clear message: a drafter on another vocabulary..."""
-    micro_drafter = drafter(micro_pair[1], "micro-drafter")
+def test_refuses_a_pair_whose_vocabularies_differ(tiny_cluster, micro_pair, micro_head, tiny_pair):
+    """At start-up, with a clear message: a head of another vocabulary (it drafts from the
+    target's features: its drafts cannot be carried over; a draft model's are,
+    tests/e2e/test_cross_vocab.py)..."""
+    micro_drafter = drafter(micro_head, "micro-head-drafter")
     tiny_cluster.start(micro_drafter)
     o = orchestrator(tiny_cluster.roles["verifier"], [micro_drafter], tiny_pair[0], "orchestrator-mismatch")
     done = subprocess.run(o.argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "vocabulary differs from the target" in done.stderr
+    assert "vocabulary differs from the target" in done.stderr and "must share its vocabulary" in done.stderr
     # ...and a tokenizer that is not the target's.
     o = orchestrator(tiny_cluster.roles["verifier"], [], micro_pair[0], "orchestrator-wrong-tokenizer")
     done = subprocess.run(o.argv, capture_output=True, text=True, timeout=120)

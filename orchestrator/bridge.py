@@ -1,0 +1,162 @@
+"""Drafts of a model with another tokenizer than the target's.
+
+The orchestrator owns the history in the target's tokens; a drafter of another
+vocabulary holds the same text in its own (`Aligned`: the history's text tokenized by
+the draft's tokenizer, in chunks that do not change once written, so that its cache
+stays valid as the history grows). Its drafts come back in its tokens and are carried
+over before the verifier sees them (`Bridge.to_target`):
+
+- greedy: the drafts' text, tokenized by the target's tokenizer after the committed
+  text (string-level: transformers' universal assisted generation). The verifier keeps
+  the drafts that are the target's own choices, so the output is the target's whatever
+  the drafts are;
+- sampled: token-level intersection (Timor et al., ICML 2025): a draft carries over
+  where its string is one token of the target's vocabulary too, with q restricted to
+  those tokens and renormalised. A draft is drawn from q; where it lies in the
+  intersection, its distribution given that is exactly the restricted q, which the
+  verifier's rule is given; where it does not, the round stops drafting there and the
+  target draws that position from p. Either way the position is drawn from p: the
+  output keeps the target's distribution.
+
+Either carry-over affects only how many drafts pass, never the output."""
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from specdec.api.common.v1 import common_pb2
+
+CHUNK = 64  # target tokens of text below which the draft's tokens of the history are re-made each call
+_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def token_bytes(tokenizer) -> dict[int, bytes]:
+    """Each ordinary token's bytes as text: byte-level BPE's alphabet read back, a
+    SentencePiece "▁" a space and its <0xNN> pieces bytes; special tokens left out."""
+    special = set(tokenizer.all_special_ids)
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    byte_level = '"ByteLevel"' in json.dumps(decoder)
+    alphabet = _byte_level_decoder() if byte_level else {}
+    out = {}
+    for piece, i in tokenizer.get_vocab().items():
+        if i in special:
+            continue
+        if byte_level:
+            if all(c in alphabet for c in piece):
+                out[i] = bytes(alphabet[c] for c in piece)
+            continue
+        byte = _BYTE.match(piece)
+        out[i] = bytes([int(byte.group(1), 16)]) if byte else piece.replace("▁", " ").encode()
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Bridge:
+    """What carries a draft of the draft's tokenizer over to the target's: the two
+    tokenizers, and the tokens whose strings both vocabularies hold (draft id -> target id)."""
+
+    def __init__(self, target_tokenizer, draft_tokenizer):
+        self.target, self.draft = target_tokenizer, draft_tokenizer
+        by_bytes = {}
+        for i, text in sorted(token_bytes(target_tokenizer).items()):
+            by_bytes.setdefault(text, i)
+        self.shared = {d: by_bytes[text] for d, text in token_bytes(draft_tokenizer).items() if text in by_bytes}
+        self.draft_eos = {i for i in (draft_tokenizer.eos_token_id,) if i is not None}
+
+    def encode_draft(self, text: str) -> list[int]:
+        return self.draft(text, add_special_tokens=False)["input_ids"]
+
+    def to_target(self, context: list[int], draft_context: list[int], drafts: list[int],
+                  qs: list[common_pb2.SparseDistribution], k: int
+                  ) -> tuple[list[int], list[common_pb2.SparseDistribution]]:
+        """Up to k drafts in the target's tokens after `context` (the committed history;
+        `draft_context` the same in the draft's tokens), and their q where sampled."""
+        for i, token in enumerate(drafts):
+            if token in self.draft_eos:
+                drafts, qs = drafts[:i], qs[:i]
+                break
+        if qs:
+            return self._intersected(drafts, qs, k)
+        return self._retokenized(context, draft_context, drafts, k)
+
+    def _intersected(self, drafts: list[int], qs: list[common_pb2.SparseDistribution], k: int):
+        out, out_qs = [], []
+        for token, q in zip(drafts[:k], qs):
+            if token not in self.shared:
+                break
+            kept = [(self.shared[t], p) for t, p in zip(q.token_ids, q.probs) if t in self.shared and p > 0]
+            mass = sum(p for _, p in kept)
+            out.append(self.shared[token])
+            out_qs.append(common_pb2.SparseDistribution(token_ids=[t for t, _ in kept],
+                                                        probs=[p / mass for _, p in kept]))
+        return out, out_qs
+
+    def _retokenized(self, context: list[int], draft_context: list[int], drafts: list[int], k: int):
+        # The drafts' text as the draft writes it after its last few tokens (a piece's
+        # leading space depends on what precedes it), then that text after the target's
+        # last few tokens: where those come back as they were, the tokens after them.
+        tail_d, tail = draft_context[-8:], context[-8:]
+        before = self.draft.decode(tail_d)
+        text = self.draft.decode(tail_d + drafts)
+        if not text.startswith(before):
+            return [], []
+        text = text[len(before):].rstrip("\ufffd")  # a character cut short at the end
+        if not text:
+            return [], []
+        ids = self.target(self.target.decode(tail) + text, add_special_tokens=False)["input_ids"]
+        if ids[:len(tail)] == tail:
+            return ids[len(tail):][:k], []
+        return self.target(text, add_special_tokens=False)["input_ids"][:k], []
+
+
+@dataclass
+class Aligned:
+    """A request's history in the draft's tokens: the text of its first `stable` target
+    tokens as `stable_ids` (chunks tokenized once, cut where a target token starts a new
+    word), then the rest's, tokenized anew at each call."""
+    bridge: Bridge
+    stable: int = 0
+    stable_ids: list[int] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)  # what the drafter was last sent
+
+    def draft_history(self, history: list[int]) -> list[int]:
+        if len(history) < self.stable:  # never: the history only grows; a new one starts again
+            self.stable, self.stable_ids = 0, []
+        if len(history) - self.stable > 2 * CHUNK:
+            cut = self._cut(history, len(history) - CHUNK)
+            self.stable_ids = self.stable_ids + self.bridge.encode_draft(
+                self.bridge.target.decode(history[self.stable:cut]))
+            self.stable = cut
+        return self.stable_ids + self.bridge.encode_draft(self.bridge.target.decode(history[self.stable:]))
+
+    def _cut(self, history: list[int], at: int) -> int:
+        """A position near `at` whose token starts with a space (a word's start, where
+        tokenizers split text anyway), else `at`."""
+        for i in range(at, max(self.stable + 1, at - 16), -1):
+            if self.bridge.target.decode(history[i:i + 1]).startswith((" ", "\n")):
+                return i
+        return at
+
+    def kept(self, drafted: list[int]) -> int:
+        """How many of the draft tokens the drafter was last sent still hold."""
+        return _common_prefix(self.sent, drafted)

@@ -1,0 +1,84 @@
+"""Carrying drafts of another tokenizer over to the target's (orchestrator.bridge), on
+SmolLM2's tokenizer and tokenizers trained here."""
+
+import pytest
+
+from models import bpe_tokenizer, word_tokenizer
+from orchestrator.bridge import CHUNK, Aligned, Bridge, token_bytes
+from specdec.api.common.v1 import common_pb2
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived "
+        "a small band of rebels who fought an empire whose ships filled the sky.\n")
+
+
+@pytest.fixture(scope="module")
+def draft_tokenizer():
+    return bpe_tokenizer([TEXT] * 50, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def bridge(smol_tokenizer, draft_tokenizer):
+    return Bridge(smol_tokenizer, draft_tokenizer)
+
+
+def test_tokens_are_compared_as_the_bytes_they_stand_for(smol_tokenizer):
+    smol = token_bytes(smol_tokenizer)
+    assert smol[smol_tokenizer.convert_tokens_to_ids("Ġthe")] == b" the"
+    assert smol_tokenizer.eos_token_id not in smol  # special tokens carry no text
+    words = token_bytes(word_tokenizer(["<eos>", "?", "a", "b"]))  # "?" the unknown word's token: special
+    assert words == {2: b"a", 3: b"b"}
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    piece = Tokenizer(models.WordLevel({"<unk>": 0, "▁the": 1, "<0x0A>": 2, "fox": 3}, unk_token="<unk>"))
+    piece.pre_tokenizer, piece.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=piece, unk_token="<unk>")
+    assert token_bytes(sentencepiece) == {1: b" the", 2: b"\n", 3: b"fox"}
+
+
+def test_the_shared_tokens_are_those_of_the_same_text(bridge, smol_tokenizer, draft_tokenizer):
+    smol, draft = token_bytes(smol_tokenizer), token_bytes(draft_tokenizer)
+    assert bridge.shared and all(draft[d] == smol[t] for d, t in bridge.shared.items())
+    assert len(bridge.shared) == len(set(draft.values()) & set(smol.values()))
+
+
+def test_sampled_drafts_carry_q_restricted_to_the_shared_tokens(bridge, draft_tokenizer):
+    shared = sorted(bridge.shared)
+    alone = next(i for i in range(len(draft_tokenizer)) if i not in bridge.shared
+                 and i != draft_tokenizer.eos_token_id)
+    a, b, c = shared[5], shared[6], shared[7]
+    q = common_pb2.SparseDistribution(token_ids=[a, b, alone], probs=[0.5, 0.25, 0.25])
+    drafts, qs = bridge.to_target([], [], [a, b, alone, c], [q, q, q, q], k=4)
+    # The third draft has no token of the target's: the drafts stop before it.
+    assert drafts == [bridge.shared[a], bridge.shared[b]]
+    for carried in qs:
+        assert list(carried.token_ids) == [bridge.shared[a], bridge.shared[b]]
+        assert list(carried.probs) == pytest.approx([2 / 3, 1 / 3])
+    assert bridge.to_target([], [], [a, draft_tokenizer.eos_token_id, b], [q] * 3, k=4)[0] == [bridge.shared[a]]
+    assert bridge.to_target([], [], [a, b], [q, q], k=1)[0] == [bridge.shared[a]]  # never past k
+
+
+def test_greedy_drafts_are_their_text_in_the_targets_tokens(bridge, smol_tokenizer, draft_tokenizer):
+    context = smol_tokenizer("The quick brown")["input_ids"]
+    draft_context = draft_tokenizer("The quick brown")["input_ids"]
+    drafts = draft_tokenizer(" fox jumps over", add_special_tokens=False)["input_ids"]
+    want = smol_tokenizer(" fox jumps over", add_special_tokens=False)["input_ids"]
+    carried, qs = bridge.to_target(context, draft_context, drafts, [], k=len(want))
+    assert carried == want and qs == []
+    assert bridge.to_target(context, draft_context, drafts, [], k=1)[0] == want[:1]
+
+
+def test_the_history_in_the_drafts_tokens_is_its_text_and_its_start_never_changes(bridge, smol_tokenizer,
+                                                                                   draft_tokenizer):
+    history = smol_tokenizer(TEXT * 8)["input_ids"]
+    assert len(history) > 4 * CHUNK
+    aligned, before = Aligned(bridge), []
+    for end in range(1, len(history) + 1, 7):
+        drafted = aligned.draft_history(history[:end])
+        assert draft_tokenizer.decode(drafted) == smol_tokenizer.decode(history[:end])
+        assert drafted[:len(aligned.stable_ids)] == aligned.stable_ids
+        assert aligned.stable_ids[:len(before)] == before  # only ever extended
+        before = aligned.stable_ids
+    assert aligned.stable > CHUNK  # the start was fixed in chunks
+    aligned.sent = drafted
+    assert aligned.kept(drafted + [1]) == len(drafted) and aligned.kept(drafted[:3] + [-1]) == 3
