@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import PROMPTS, Cluster, as_tested, drafter, generate, orchestrator, pb, reference, verifier
+from cluster import PROMPTS, Cluster, Stream, drafter, generate, orchestrator, pb, reference, verifier
 from models import MICRO_WORDS, bpe_tokenizer, reindexed_copy, renumbered, word_tokenizer
 from tests.e2e.test_sampling import check_distribution, exact_outcomes
 from specdec.api.common.v1 import common_pb2
@@ -44,8 +44,9 @@ def cross_cluster(tiny_pair, smol_tokenizer, micro_pair, tmp_path_factory):
     renumbered_o = orchestrator(v, [renumbered_d], tiny_pair[0], "orchestrator-renumbered")
     micro_o = orchestrator(micro_v, [micro_d], micro_pair[0], "micro-orchestrator")
     cluster.start(o, renumbered_o, micro_o)
-    cluster.roles = {"trained": o, "renumbered": renumbered_o, "sampled": micro_o, "verifier": v, "drafter": d}
-    cluster.draft_dir = root / "draft"
+    cluster.roles = {"trained": o, "renumbered": renumbered_o, "sampled": micro_o, "verifier": v, "drafter": d,
+                     "renumbered-drafter": renumbered_d}
+    cluster.draft_dir, cluster.renumbered_dir = root / "draft", root / "renumbered"
     yield cluster
     cluster.close()
 
@@ -80,6 +81,41 @@ def test_greedy_matches_the_target_alone_on_16_prompts(cross_cluster, tiny_pair,
     assert drafted > len(GREEDY_PROMPTS) * MAX_NEW // 4  # the drafts were carried over and verified
     if draft == "renumbered":
         assert 0.1 * drafted < accepted < drafted, (accepted, drafted)
+
+
+LONG = 160
+
+
+@pytest.fixture(scope="module")
+def long_case(tiny_pair, smol_tokenizer):
+    ids = smol_tokenizer(PROMPTS[5])["input_ids"]
+    return ids, reference(tiny_pair[2], ids, LONG)
+
+
+def test_a_lost_drafter_session_resyncs_in_the_drafters_tokens(cross_cluster, long_case):
+    ids, want = long_case
+    roles = cross_cluster.roles
+    stream = Stream(cross_cluster.orchestrator_stub(roles["renumbered"]), request_id="cross-lost",
+                    token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG, num_speculative_tokens=4)
+    session = cross_cluster.session_of(roles["renumbered"], "cross-lost")
+    assert cross_cluster.close_session(roles["renumbered-drafter"], session)  # as after a restart
+    result = stream.finish()
+    assert list(result.token_ids) == want
+    assert result.stats.resyncs == 1 and result.stats.accepted_tokens > 0
+
+
+def test_failover_between_drafters_of_another_vocabulary(cross_cluster, tiny_pair, long_case):
+    ids, want = long_case
+    first, second = (drafter(cross_cluster.renumbered_dir, f"renumbered-{n}") for n in "ab")
+    cross_cluster.start(first, second)
+    o = orchestrator(cross_cluster.roles["verifier"], [first, second], tiny_pair[0], "orchestrator-cross-two")
+    cross_cluster.start(o)
+    stream = Stream(cross_cluster.orchestrator_stub(o), token_ids=pb.TokenIds(ids=ids), max_new_tokens=LONG,
+                    num_speculative_tokens=4)
+    cross_cluster.kill(first)  # on a tie the pool pairs the request with the first listed
+    result = stream.finish()
+    assert list(result.token_ids) == want
+    assert result.stats.drafter_failovers == 1 and result.stats.accepted_tokens > 0
 
 
 def test_sampling_keeps_the_targets_distribution(cross_cluster, micro_pair):
