@@ -80,14 +80,24 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def max_positions(model) -> int:
-    """The longest history a session may hold. Mistral attends within a sliding window on
-    every layer, which the engine's attention does not cut: sessions end at the window,
-    where its output is still exactly the model's."""
+    """The longest history a session may hold. A model with sliding-window layers (Mistral
+    on every layer, Gemma 3's local layers) attends within the window there, which the
+    engine's attention does not cut: sessions end at the window, where its output is
+    still exactly the model's."""
     config = model.config
     longest = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
-        longest = min(longest, int(config.sliding_window))
+    if sliding_window(config):
+        longest = min(longest, sliding_window(config))
     return longest
+
+
+def sliding_window(config) -> int | None:
+    """The window of a model's sliding-window layers, if it has any."""
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or [])
+    sliding = config.model_type == "mistral" or "sliding_attention" in kinds or \
+        getattr(config, "use_sliding_window", False)
+    return int(window) if sliding and window else None
 
 
 def model_info(model, tokenizer, name: str, kind: str):

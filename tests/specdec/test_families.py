@@ -166,3 +166,41 @@ def test_mistral_sessions_end_at_its_sliding_window(tmp_path, smol_tokenizer):
     build_family("mistral", smol_tokenizer, tmp_path, seed=1, sliding_window=512)
     model, _ = modeling.load_model(str(tmp_path))
     assert modeling.max_positions(model) == 512
+
+
+def test_gemma3s_local_layers_run_within_their_window_as_the_models_own_forward():
+    """Gemma 3: local (sliding-window) layers beside global ones, through the engine's
+    attention on the generic path (its layers are not the kernel's), as transformers'
+    forward within the window, where its sessions end. Soft-capped attention (Gemma 2) is
+    refused."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
+                              max_position_embeddings=1024, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.1)
+    assert modeling.max_positions(model) == 64
+    tokens = torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    engine = Engine(model, 1 << 22)
+    try:
+        seq = engine.new_sequence()
+        seq.sync(0, tokens[:20])
+        got = [engine.forward_now(seq, 20)[0]]
+        for token in tokens[20:]:
+            seq.sync(len(seq.tokens), [token])
+            got.append(engine.forward_now(seq, 1)[0][-1:])
+    finally:
+        engine.stop()
+    got = torch.cat(got)
+    assert len(set(want.argmax(-1).tolist())) > 10  # not a degenerate model
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    capped = Gemma3ForCausalLM(Gemma3TextConfig(**{**config.to_dict(), "attn_logit_softcapping": 50.0}))
+    with pytest.raises(ValueError, match="soft-capped"):
+        Engine(capped, 1 << 22)

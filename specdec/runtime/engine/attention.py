@@ -131,11 +131,18 @@ AttentionInterface.register(ATTENTION, paged_attention)
 
 
 def check_supported(model) -> None:
-    """The pool holds every position of every layer: refuse models that attend otherwise."""
+    """The pool holds every position of every layer, and attention here is softmax(q kᵀ)v:
+    refuse models that attend otherwise. Sliding-window layers attend to every position
+    within their window, which is as far as a session goes (modeling.max_positions)."""
+    from specdec.runtime.modeling import sliding_window
+
     config = model.config
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
-        raise ValueError(f"{config.model_type}: only models whose every layer attends to every position are "
-                         f"supported (layer types {sorted(kinds)})")
+    if kinds - {"full_attention", "sliding_attention"} or \
+            (kinds != {"full_attention"} or getattr(config, "use_sliding_window", False)) and not sliding_window(config):
+        raise ValueError(f"{config.model_type}: only models whose every layer attends to every position, or "
+                         f"within one window, are supported (layer types {sorted(kinds)})")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError(f"{config.model_type}: attention with soft-capped logits is not supported")
     if not model._can_set_attn_implementation():
         raise ValueError(f"{config.model_type}: the model does not use transformers' attention interface")

@@ -386,8 +386,8 @@ def _is_llama(model) -> bool:
 def _llama_like(model) -> bool:
     """A model whose layers compute as Llama's but for what _llama_forward takes from its
     modules: Mistral (within its window: specdec.runtime.modeling.max_positions), Qwen2 (biases on
-    q, k and v), Qwen3 (a norm on each q and k head). Sliding-window layers of Qwen are
-    refused at load (specdec.runtime.engine.attention.check_supported)."""
+    q, k and v), Qwen3 (a norm on each q and k head). A model with sliding-window layers
+    runs within its window (specdec.runtime.engine.attention.check_supported)."""
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
     from transformers.models.qwen2 import modeling_qwen2
