@@ -81,7 +81,13 @@ class Bridge:
         for i, text in sorted(token_bytes(target_tokenizer).items()):
             by_bytes.setdefault(text, i)
         self.shared = {d: by_bytes[text] for d, text in token_bytes(draft_tokenizer).items() if text in by_bytes}
+        self.draft_of = {t: d for d, t in self.shared.items()}
         self.draft_eos = {i for i in (draft_tokenizer.eos_token_id,) if i is not None}
+
+    def draft_bias(self, bias) -> dict[int, float]:
+        """A logit bias over the target's tokens, on the draft's tokens of the same text
+        (a biased target's choices are the draft's to guess too)."""
+        return {self.draft_of[t]: b for t, b in bias.items() if t in self.draft_of}
 
     def encode_draft(self, text: str) -> list[int]:
         return self.draft(text, add_special_tokens=False)["input_ids"]

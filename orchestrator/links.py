@@ -374,14 +374,15 @@ class DrafterLink:
         return [], []
 
     def _on_replica(self, replica: DrafterReplica) -> None:
-        """A new replica's session: in its own tokens where its vocabulary is another, and
-        without the logit bias there (it names the target's tokens)."""
+        """A new replica's session: in its own tokens where its vocabulary is another, the
+        logit bias on its tokens of the same text."""
         self.aligned = Aligned(replica.bridge) if replica.bridge is not None else None
         self.sampling = self.params
         if self.aligned is not None and self.params.logit_bias:
             self.sampling = common_pb2.SamplingParams()
             self.sampling.CopyFrom(self.params)
             self.sampling.logit_bias.clear()
+            self.sampling.logit_bias.update(replica.bridge.draft_bias(self.params.logit_bias))
 
     async def _propose_across(self, history: list[int], k: int, committed: int | None):
         """Drafts of a drafter with another vocabulary, carried over to the target's tokens

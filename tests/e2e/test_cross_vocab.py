@@ -118,13 +118,16 @@ def test_failover_between_drafters_of_another_vocabulary(cross_cluster, tiny_pai
     assert result.stats.drafter_failovers == 1 and result.stats.accepted_tokens > 0
 
 
-def test_sampling_keeps_the_targets_distribution(cross_cluster, micro_pair):
+@pytest.mark.parametrize("bias", [{}, {5: 1.5}])
+def test_sampling_keeps_the_targets_distribution(cross_cluster, micro_pair, bias):
     """T = 1 over two tokens at K = 2: a draft whose word the target lacks ("h") stops the
     round's drafts, the rest carry q restricted to the shared words; the joint of the two
-    tokens follows the target's own distribution. The same samples reject the target's
-    distribution at another temperature (the test's power)."""
-    params = common_pb2.SamplingParams(temperature=1.0, top_p=1.0)
-    hotter = exact_outcomes(micro_pair[2], common_pb2.SamplingParams(temperature=1.6, top_p=1.0), depth=2)
+    tokens follows the target's own distribution (with a logit bias too: the drafter gets
+    it on its own id of the word). The same samples reject the target's distribution at
+    another temperature (the test's power)."""
+    params = common_pb2.SamplingParams(temperature=1.0, top_p=1.0, logit_bias=bias)
+    hotter = exact_outcomes(micro_pair[2], common_pb2.SamplingParams(temperature=1.6, top_p=1.0, logit_bias=bias),
+                            depth=2)
     check_distribution(cross_cluster.orchestrator_stub(cross_cluster.roles["sampled"]), micro_pair[2], params,
                        depth=2, k=2, wrong=hotter, p_min=0.01)
 

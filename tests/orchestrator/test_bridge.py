@@ -82,3 +82,11 @@ def test_the_history_in_the_drafts_tokens_is_its_text_and_its_start_never_change
     assert aligned.stable > CHUNK  # the start was fixed in chunks
     aligned.sent = drafted
     assert aligned.kept(drafted + [1]) == len(drafted) and aligned.kept(drafted[:3] + [-1]) == 3
+
+
+def test_a_logit_bias_reaches_the_draft_on_its_tokens_of_the_same_text(bridge, smol_tokenizer):
+    the, fox = smol_tokenizer.convert_tokens_to_ids("Ġthe"), smol_tokenizer.convert_tokens_to_ids("Ġfox")
+    lost = next(t for t in range(len(smol_tokenizer)) if t not in bridge.draft_of)
+    bias = bridge.draft_bias({the: 2.0, fox: -1.0, lost: 5.0})
+    assert bias == {bridge.draft_of[the]: 2.0, bridge.draft_of[fox]: -1.0}
+    assert all(bridge.shared[d] in (the, fox) for d in bias)
