@@ -33,7 +33,7 @@ class DrafterServicer(session_service.SessionServicer, drafter_pb2_grpc.DrafterS
               info: common_pb2.ModelInfo | None = None) -> None:
         """Serves `proposer`, reporting `info` (default: the proposer's own; see `reported`)."""
         self.proposer = proposer
-        super().ready(info or proposer.info(), store, metrics)
+        super().ready(info or proposer.info(), store, metrics, getattr(proposer, "engine", None))
 
     def check_features(self, request: drafter_pb2.ProposeRequest) -> None:
         """INVALID_ARGUMENT naming the field unless the features are of committed
@@ -189,6 +189,7 @@ async def serve(args, on_listen=None) -> None:
         grace_s=args.shutdown_grace,
         security=server.security(args),
         background=[lambda: servicer.store.reap_forever()],
+        drained=servicer.stop,
     )
 
 

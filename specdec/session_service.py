@@ -2,6 +2,7 @@
 set up before the model loads, the model's batching engine, and the servicer of their
 sessions (health, model info, close, list)."""
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -49,11 +50,18 @@ class SessionServicer:
     def __init__(self):
         self.info: common_pb2.ModelInfo | None = None
         self.store: SessionStore | None = None
+        self.engine: Engine | None = None
 
-    def ready(self, info: common_pb2.ModelInfo, store: SessionStore, metrics=None) -> None:
-        self.info, self.store = info, store
+    def ready(self, info: common_pb2.ModelInfo, store: SessionStore, metrics=None, engine: Engine | None = None) -> None:
+        self.info, self.store, self.engine = info, store, engine
         if metrics is not None:
             metrics.sessions.set_function(lambda: len(store))
+
+    async def stop(self) -> None:
+        """Once the calls have ended: the engine's thread ended too, after the pass it may
+        still be in (a cancelled call's), before the process exits (Engine.stop says why)."""
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
 
     def check_ready(self) -> None:
         if self.info is None:

@@ -235,7 +235,7 @@ async def serve(args, on_listen=None) -> None:
         await seq.logits(4)
         engine.release(seq)
         servicer.ready(info, SessionStore(engine.new_sequence, args.max_sessions, args.session_idle_timeout,
-                                          release=engine.release), metrics)
+                                          release=engine.release), metrics, engine)
 
     await server.serve(
         message_bytes=SERVICE_MESSAGE_BYTES,
@@ -247,6 +247,7 @@ async def serve(args, on_listen=None) -> None:
         grace_s=args.shutdown_grace,
         security=server.security(args),
         background=[lambda: servicer.store.reap_forever()],
+        drained=servicer.stop,
     )
 
 

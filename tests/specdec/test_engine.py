@@ -557,6 +557,32 @@ def test_only_the_engines_thread_runs_a_pass_on_several_cores():
     assert done.stdout.split() == ["2", "1", "1"]
 
 
+STOP_SCRIPT = """
+import sys, time, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from specdec.runtime.engine import Engine
+config = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+engine = Engine(LlamaForCausalLM(config).eval(), 64 << 20, threads=4)
+seq = engine.new_sequence()
+seq.sync(0, [t % 300 for t in range(6000)])
+work = engine.submit(seq, 1)
+time.sleep(0.2)
+started = work.in_pass and not work.future.done()  # the prefill's passes are running
+engine.stop()
+print(started, engine.thread.is_alive())
+"""
+
+
+def test_a_process_that_stops_its_engine_mid_pass_exits_cleanly():
+    # Before Engine.stop waited for its thread, such an exit aborted the process at every try
+    # here ("terminate called without an active exception": see Engine.stop).
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", STOP_SCRIPT], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["True", "False"]
+
+
 def test_a_session_with_a_known_prefix_computes_only_the_rest(models):
     """Prefix caching: the full blocks of a prompt that another session computed (a
     system prompt; a chat's earlier turns) are taken as they are, and never written."""

@@ -287,9 +287,16 @@ class Engine:
             self.cond.notify()
 
     def stop(self) -> None:
+        """Ends the engine's thread after the pass it is in, and waits for that. A process
+        must not exit with the thread in a pass: CPython ends a daemon thread that takes the
+        interpreter's lock back during exit with pthread_exit, whose unwinding through the
+        noexcept frame of a torch or kernel call that had let the lock go aborts the process
+        ("terminate called without an active exception")."""
         with self.cond:
             self.stopped = True
-            self.cond.notify()
+            self.cond.notify_all()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
 
     # -- the engine's thread ---------------------------------------------------------------
 
