@@ -29,7 +29,7 @@ def build_llama(tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: i
 
 # Families the CPU's layer kernel runs (specdec.runtime.engine.model_runner._llama_like), each with
 # what it differs by switched on: Qwen2's q/k/v biases, Qwen3's head norms (and a tied head).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def build_family(family: str, tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: int = 2,

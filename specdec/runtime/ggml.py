@@ -125,7 +125,7 @@ class RMSNorm(torch.nn.Module):
     """Llama's RMSNorm in one kernel call (specdec/runtime/kernels/norm_cpu.cpp) where torch takes
     seven small operations: the same formula, the sum of squares in float64."""
 
-    NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # y = w * (x * rsqrt(mean(x^2) + eps)) all
+    NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")  # y = w * (x * rsqrt(mean(x^2) + eps)) all
 
     def __init__(self, norm: torch.nn.Module):
         super().__init__()
@@ -162,13 +162,17 @@ class SiLU(torch.nn.Module):
 
 
 def replace_activations(model) -> int:
-    """Puts SiLU in place of the silu of the model's MLPs (their `act_fn`); -> how many."""
+    """Puts SiLU in place of the silu of the model's MLPs (their `act_fn`, Phi-3's
+    `activation_fn`: the same module where quantize.share_fused named it both); -> how many."""
     replaced = 0
     if getattr(model.config, "hidden_act", None) == "silu":
         for module in model.modules():
-            if type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
-                module.act_fn = SiLU()
-                replaced += 1
+            silu = None
+            for name in ("act_fn", "activation_fn"):
+                if type(getattr(module, name, None)).__name__ in ("SiLU", "SiLUActivation"):
+                    silu = silu or SiLU()
+                    setattr(module, name, silu)
+            replaced += silu is not None
     return replaced
 
 

@@ -81,7 +81,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def max_positions(model) -> int:
     """The longest history a session may hold. A model with sliding-window layers (Mistral
-    on every layer, Gemma 3's local layers) attends within the window there, which the
+    and Phi-3 on every layer, Gemma 3's local layers) attends within the window there, which the
     engine's attention does not cut: sessions end at the window, where its output is
     still exactly the model's."""
     config = model.config
@@ -95,7 +95,7 @@ def sliding_window(config) -> int | None:
     """The window of a model's sliding-window layers, if it has any."""
     window = getattr(config, "sliding_window", None)
     kinds = set(getattr(config, "layer_types", None) or [])
-    sliding = config.model_type == "mistral" or "sliding_attention" in kinds or \
+    sliding = config.model_type in ("mistral", "phi3") or "sliding_attention" in kinds or \
         getattr(config, "use_sliding_window", False)
     return int(window) if sliding and window else None
 

@@ -220,6 +220,23 @@ def share_products(model) -> int:
     return sum(isinstance(m, _Shared) for m in model.modules()) - before
 
 
+def share_fused(model) -> None:
+    """A model whose layers compute q|k|v and gate|up as one product each already (Phi-3's
+    qkv_proj and gate_up_proj) gets the parts that _Shared gives the others (shared_q_k_v,
+    shared_gate_up, each over its own product), and its MLP's activation by the others'
+    name (act_fn), so that the engine's passes take it as they take them. Its own forward
+    is unchanged; a second call changes nothing."""
+    for module in model.modules():
+        qkv, gate_up = getattr(module, "qkv_proj", None), getattr(module, "gate_up_proj", None)
+        if qkv is not None and not hasattr(module, "shared_q_k_v"):
+            q, kv = module.config.num_attention_heads * module.head_dim, module.num_key_value_heads * module.head_dim
+            if qkv.out_features == q + 2 * kv:
+                module.add_module("shared_q_k_v", _Shared(qkv, [q, kv, kv]))
+        if gate_up is not None and not hasattr(module, "shared_gate_up") and gate_up.out_features % 2 == 0:
+            module.add_module("shared_gate_up", _Shared(gate_up, [gate_up.out_features // 2] * 2))
+            module.act_fn = module.activation_fn
+
+
 def _share_inputs(parent: torch.nn.Module, fuse) -> None:
     """fuse(layers) -> one module computing their stacked rows, or None (leave them)."""
     for names in SHARED_INPUT:

@@ -162,10 +162,26 @@ def test_a_prompt_in_chunks_gives_one_token_steps_bits(family_dir):
         assert all(torch.equal(g, w) for g, w in zip(got, want)), chunk
 
 
-def test_mistral_sessions_end_at_its_sliding_window(tmp_path, smol_tokenizer):
-    build_family("mistral", smol_tokenizer, tmp_path, seed=1, sliding_window=512)
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_sessions_end_at_a_sliding_window_on_every_layer(tmp_path, smol_tokenizer, family):
+    build_family(family, smol_tokenizer, tmp_path, seed=1, sliding_window=512)
     model, _ = modeling.load_model(str(tmp_path))
     assert modeling.max_positions(model) == 512
+
+
+def test_a_phi3_with_a_partial_or_dynamic_rotary_embedding_takes_the_generic_path(tmp_path, smol_tokenizer):
+    # Phi-3's 128k models: `longrope`, whose frequencies change once a pass reaches past
+    # the original context.
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+    for rope in ({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, longrope):
+        build_family("phi3", smol_tokenizer, tmp_path, seed=1, rope_parameters=rope,
+                     original_max_position_embeddings=1024)
+        model, _ = load(tmp_path)
+        engine = Engine(model, 16 << 20)
+        try:
+            assert engine.runner.forward is model_runner._transformers_forward, rope
+        finally:
+            engine.stop()
 
 
 def test_gemma3s_local_layers_run_within_their_window_as_the_models_own_forward():

@@ -11,7 +11,7 @@ import torch
 from specdec.runtime.engine.attention import ATTENTION, Abandoned, Group, Plan, paged_attention
 from specdec.runtime.engine.block_manager import KVPool
 from specdec.runtime.engine.scheduler import Row
-from specdec.runtime.quantize import attention_dtype
+from specdec.runtime.quantize import attention_dtype, share_fused
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class ModelRunner:
             elif self.static.capture:
                 self.static.capture_all()
         self.kernel = _cpu_attention(model, self.attention_dtype)
+        share_fused(model)
         llama = _llama_like(model) if model.device.type == "cpu" else _is_llama(model)
         self.forward = _llama_forward if llama else _transformers_forward
         if self.forward is _llama_forward and self.kernel is not None and (stacks := _LayerStacks.of(model)):
@@ -386,19 +387,31 @@ def _is_llama(model) -> bool:
 def _llama_like(model) -> bool:
     """A model whose layers compute as Llama's but for what _llama_forward takes from its
     modules: Mistral (within its window: specdec.runtime.modeling.max_positions), Qwen2 (biases on
-    q, k and v), Qwen3 (a norm on each q and k head). A model with sliding-window layers
-    runs within its window (specdec.runtime.engine.attention.check_supported)."""
+    q, k and v), Qwen3 (a norm on each q and k head), Phi-3 (q|k|v and gate|up one product
+    each: quantize.share_fused; its residual dropout nothing in eval). A model with
+    sliding-window layers runs within its window (specdec.runtime.engine.attention.check_supported).
+    Rotary embeddings turn every dimension of a head, at a frequency of the position alone
+    (RotaryTable holds each position's): a partial rotary embedding, or a dynamic one
+    (frequencies that follow the longest position of a pass), takes the generic path."""
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
+    from transformers.models.phi3 import modeling_phi3
     from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.qwen3 import modeling_qwen3
 
     families = {modeling_llama.LlamaForCausalLM: modeling_llama.LlamaDecoderLayer,
                 modeling_mistral.MistralForCausalLM: modeling_mistral.MistralDecoderLayer,
                 modeling_qwen2.Qwen2ForCausalLM: modeling_qwen2.Qwen2DecoderLayer,
-                modeling_qwen3.Qwen3ForCausalLM: modeling_qwen3.Qwen3DecoderLayer}
+                modeling_qwen3.Qwen3ForCausalLM: modeling_qwen3.Qwen3DecoderLayer,
+                modeling_phi3.Phi3ForCausalLM: modeling_phi3.Phi3DecoderLayer}
     layer = families.get(type(model))
-    return layer is not None and all(type(m) is layer for m in model.model.layers)
+    if layer is None or not all(type(m) is layer for m in model.model.layers):
+        return False
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 or rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        return False
+    return layer is not modeling_phi3.Phi3DecoderLayer or all(
+        hasattr(m.self_attn, "shared_q_k_v") and hasattr(m.mlp, "shared_gate_up") for m in model.model.layers)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 // A Llama-family model's decoder layers on GGUF blocks, a whole pass of them in one call:
-// Llama and Mistral as they are, Qwen2's q, k and v biases, Qwen3's norms of each q and k
-// head.
+// Llama, Mistral and Phi-3 as they are (Phi-3's checkpoint holds q|k|v and gate|up as one
+// product each, as this stack takes them), Qwen2's q, k and v biases, Qwen3's norms of each
+// q and k head.
 //
 // Why one call: the engine's pass of the default target ran some 25 small torch operations
 // a layer from Python (views, rotary embedding, cache writes, residual adds, the
