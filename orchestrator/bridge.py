@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 from specdec.api.common.v1 import common_pb2
+from specdec.lookup import common_prefix
 
 CHUNK = 64  # target tokens of text below which the draft's tokens of the history are re-made each call
 _BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -61,14 +62,6 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
         byte = _BYTE.match(piece)
         out[i] = bytes([int(byte.group(1), 16)]) if byte else piece.replace("▁", " ").encode()
     return out
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Bridge:
@@ -165,4 +158,4 @@ class Aligned:
 
     def kept(self, drafted: list[int]) -> int:
         """How many of the draft tokens the drafter was last sent still hold."""
-        return _common_prefix(self.sent, drafted)
+        return common_prefix(self.sent, drafted)

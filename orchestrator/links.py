@@ -303,7 +303,7 @@ class DrafterLink:
         self.timeout_s, self.deadline = timeout_s, deadline
         self.replica: Replica | None = None
         self.synced = 0
-        self.refused = False  # a replica refused this request: it goes on without drafts
+        self.refused = False  # a replica refused this request, or it outgrew their model: no model drafts
         self.lookup: LookupIndex | None = None  # the drafters' lookup rule over this request's history
         self.features = features  # a feature drafter's: the verifier's link fills the same feed
         self.features_held = 0  # the replica holds the features of positions before this one
@@ -325,8 +325,14 @@ class DrafterLink:
 
     @property
     def lookup_rule(self) -> tuple[int, int] | None:
-        """(shortest, longest match) of the drafters' lookup, where this request drafts by it."""
-        return None if self.refused else self.pool.lookup_rule
+        """(shortest, longest match) of the drafters' lookup, where this request drafts by it:
+        a request the drafters' model cannot draft for still does (no drafter call)."""
+        return self.pool.lookup_rule
+
+    @property
+    def drafts_by_model(self) -> bool:
+        """Whether the drafters' model may still draft for this request."""
+        return not self.refused
 
     @property
     def lookup_from_memory(self) -> bool:
@@ -406,6 +412,11 @@ class DrafterLink:
         return window.since(max(self.features_held, window.start, committed - 1 - window.size), committed - 1)
 
     async def _propose(self, history: list[int], k: int, committed: int):
+        if len(history) >= self.replica.max_positions:
+            log.info("[%s] the history (%d tokens) outgrew the drafter's model (%d positions); going on without "
+                     "its drafts", self.session_id, len(history), self.replica.max_positions)
+            self.refused = True
+            return [], []
         while True:
             features = self._features_for(committed)
             request = drafter_pb2.ProposeRequest(

@@ -139,6 +139,7 @@ class Replicas:
 @dataclass(eq=False)
 class DrafterReplica(Replica):
     checked: bool = False
+    max_positions: int = 1 << 30  # its model's (ModelInfo): a session there holds no more tokens
     bridge: Bridge | None = None  # a draft of another vocabulary: how its drafts carry over (orchestrator.bridge)
 
 
@@ -171,6 +172,7 @@ class DrafterPool(Replicas):
             replica.bridge = await self.bridge(replica.address, info)
         check_features(replica.address, info, self.target_layers, self.target_hidden, self.target_name)
         replica.checked = True
+        replica.max_positions = info.max_positions or replica.max_positions
         self.lookup_rule = (info.lookup_min_match, info.lookup_max_match) if info.lookup_max_match > 0 else None
         self.feature_rule = FeatureRule(tuple(info.feature_layers), info.feature_window) \
             if info.feature_layers else None

@@ -80,8 +80,11 @@ async def speculate(
             if guide.dead:
                 return
         by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max, policy.forced_in_rounds)
-        # A round commits at most K + 1 tokens: never draft past the budget.
+        # A round commits at most K + 1 tokens: never draft past the budget. Where the
+        # drafter's model can no longer draft for this request, only lookup rounds remain.
         k_round = min(policy.choose(len(by_lookup)), max_new_tokens - produced - 1)
+        if not drafter.drafts_by_model and not (policy.by_lookup and by_lookup):
+            k_round = 0
         if k_round <= 0:
             ahead = None
             async with contextlib.aclosing(_target_alone(r, history, by_lookup, max_new_tokens - produced,

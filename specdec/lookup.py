@@ -4,6 +4,16 @@ drafts lookup rounds by it from the history it owns, by the rule an n-gram or hy
 drafter reports (min_n, max_n); the verifier drafts within runs of the target alone."""
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share: where a history and what was sent, drafted
+    or cached for it part."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 def suffix_match(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     """k tokens following the latest earlier occurrence of tokens[-n:], longest n first
     (see `follow`); [] when no suffix of at least min_n tokens occurred before."""

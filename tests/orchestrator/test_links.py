@@ -146,6 +146,24 @@ def test_a_drafter_refusing_one_request_is_not_marked_down():
     assert first.sessions == 0
 
 
+def test_a_history_past_the_drafters_model_asks_it_nothing_and_keeps_its_lookup_rule():
+    async def go():
+        pool = DrafterPool(["127.0.0.1:1"], "", "target")
+        (replica,) = pool.replicas.values()
+        replica.stub, replica.checked, replica.max_positions = FakeDrafter(None), True, 4
+        pool.lookup_rule = (1, 3)
+        link = DrafterLink(pool, "s", PARAMS, Stats(), timeout_s=10)
+        within, _ = await link.propose([1, 2, 3], 1)  # 3 of its 4 positions: one draft fits
+        past, _ = await link.propose([1, 2, 3, 4], 1)
+        await pool.close()
+        return within, past, link, replica
+
+    within, past, link, replica = asyncio.run(go())
+    assert within == [0] and past == [] and replica.stub.calls == 1
+    assert not link.drafts_by_model and link.lookup_rule == (1, 3)
+    assert link.lookup_drafts([7, 8, 9, 7, 8], 2) == [9, 7]
+
+
 # CANCELLED: a drafter that is stopping cancels a call that reaches it as it drains.
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   grpc.StatusCode.CANCELLED])

@@ -28,6 +28,7 @@ def draft_next(history: list[int]) -> int:
 class FakeDrafter:
     lookup_from_memory = False
     lookup_rule = None
+    drafts_by_model = True
 
     def __init__(self):
         self.drafted_for: dict[tuple, list[int]] = {}  # a history -> the drafts made after it
@@ -281,6 +282,29 @@ def test_lookup_rounds_drafted_from_earlier_outputs_are_counted_apart():
     out, stats, _ = run([3, 1, 4, 1, 5, 9, 2], 60, LookupPolicy(), drafter=drafter)
     assert out == reference([3, 1, 4, 1, 5, 9, 2], 60)
     assert stats.memory_rounds == stats.lookup_rounds > 0 and stats.memory_accepted == stats.lookup_accepted
+
+
+class OutgrownDrafter(LookupDrafter):
+    """A hybrid drafter whose model the history outgrows at its first call (as past its
+    model's positions): no model drafts from then on; its lookup rule still holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.drafts_by_model = True
+
+    async def propose(self, history, k, committed=None):
+        self.calls += 1
+        self.drafts_by_model = False
+        return [], []
+
+
+def test_a_request_the_drafters_model_outgrew_goes_on_with_lookup_rounds_and_runs():
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    policy = Cycle([2])  # K = 2 every round: by lookup at a match, else by the model
+    out, stats, drafter = run(prompt, 60, policy, drafter=OutgrownDrafter())
+    assert out == reference(prompt, 60)
+    assert drafter.calls == 1  # no model round once it could not draft
+    assert stats.lookup_rounds > 0 and sum(policy.runs) > 30  # the rest: lookup rounds and runs of the target alone
 
 
 class ModelAtMatches(Cycle):

@@ -10,16 +10,9 @@ import math
 import numpy as np
 import torch
 
+from specdec.lookup import common_prefix
+
 from specdec.errors import NeedsResync, RESYNC_DETAIL
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class TokenSequence:
