@@ -23,7 +23,7 @@ log = logging.getLogger("drafter")
 
 
 class DrafterServicer(session_service.SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
-    pb = drafter_pb2
+    pb, pb_grpc, service, name = drafter_pb2, drafter_pb2_grpc, "DrafterService", "drafter"
 
     def __init__(self):
         super().__init__()
@@ -179,18 +179,7 @@ async def serve(args, on_listen=None) -> None:
         servicer.ready(proposer, SessionStore(proposer.new_sequence, args.max_sessions, args.session_idle_timeout,
                                               release=proposer.release), metrics, info=reported(proposer, args))
 
-    await server.serve(
-        message_bytes=SERVICE_MESSAGE_BYTES,
-        name="drafter", host=args.host, port=args.port,
-        service_names=[drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name],
-        register=lambda s: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, s),
-        load=load,
-        on_listen=on_listen,
-        grace_s=args.shutdown_grace,
-        security=server.security(args),
-        background=[lambda: servicer.store.reap_forever()],
-        drained=servicer.stop,
-    )
+    await servicer.serve(args, load, on_listen)
 
 
 def main() -> None:

@@ -7,12 +7,13 @@ import contextlib
 import logging
 import time
 
-from specdec import logs
+from specdec import logs, server
 from specdec.api.common.v1 import common_pb2
 from specdec.runtime.engine import Engine, one_thread_outside_engines, reproducible_blas
 from specdec.errors import RESYNC_DETAIL, Internal, ServiceError, Unavailable, abort
 from specdec.runtime.quantize import quantize
 from specdec.sessions import Session, SessionStore
+from specdec.wire import SERVICE_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class SessionServicer:
     `pb` is the service's generated module (its CloseSession/GetModelInfo messages)."""
 
     pb = None
+    pb_grpc = None  # and its gRPC module, which registers `service`
+    service = ""  # the service's name in its proto
+    name = ""  # in the logs
 
     def __init__(self):
         self.info: common_pb2.ModelInfo | None = None
@@ -56,6 +60,23 @@ class SessionServicer:
         self.info, self.store, self.engine = info, store, engine
         if metrics is not None:
             metrics.sessions.set_function(lambda: len(store))
+
+    async def serve(self, args, load, on_listen=None) -> None:
+        """Serves this servicer on its port until a signal ends it (specdec.server.serve):
+        `load` makes it ready; idle sessions are reaped; once the calls have ended, the
+        engine stops."""
+        await server.serve(
+            message_bytes=SERVICE_MESSAGE_BYTES,
+            name=self.name, host=args.host, port=args.port,
+            service_names=[self.pb.DESCRIPTOR.services_by_name[self.service].full_name],
+            register=lambda s: getattr(self.pb_grpc, f"add_{self.service}Servicer_to_server")(self, s),
+            load=load,
+            on_listen=on_listen,
+            grace_s=args.shutdown_grace,
+            security=server.security(args),
+            background=[lambda: self.store.reap_forever()],
+            drained=self.stop,
+        )
 
     async def stop(self) -> None:
         """Once the calls have ended: the engine's thread ended too, after the pass it may

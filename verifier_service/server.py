@@ -15,7 +15,6 @@ from specdec.runtime import modeling
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
-from specdec.wire import SERVICE_MESSAGE_BYTES
 from specdec.validation import MAX_DRAFT_TOKENS, MAX_TOP_LOGPROBS, check_length, check_token_ids
 from specdec.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.passes import score, verify
@@ -78,7 +77,7 @@ def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> N
 
 
 class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
-    pb = verifier_pb2
+    pb, pb_grpc, service, name = verifier_pb2, verifier_pb2_grpc, "VerifierService", "verifier"
     vocab: grammar.Vocabulary | grammar.NoVocabulary | None = None  # the target's tokens as constraints match them
     feature_cache: FeatureCache | None = None  # prompt blocks' features, for feature drafters' requests
 
@@ -237,18 +236,7 @@ async def serve(args, on_listen=None) -> None:
         servicer.ready(info, SessionStore(engine.new_sequence, args.max_sessions, args.session_idle_timeout,
                                           release=engine.release), metrics, engine)
 
-    await server.serve(
-        message_bytes=SERVICE_MESSAGE_BYTES,
-        name="verifier", host=args.host, port=args.port,
-        service_names=[verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name],
-        register=lambda s: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s),
-        load=load,
-        on_listen=on_listen,
-        grace_s=args.shutdown_grace,
-        security=server.security(args),
-        background=[lambda: servicer.store.reap_forever()],
-        drained=servicer.stop,
-    )
+    await servicer.serve(args, load, on_listen)
 
 
 def main() -> None:
