@@ -80,15 +80,9 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def max_positions(model) -> int:
-    """The longest history a session may hold. A model with sliding-window layers (Mistral
-    and Phi-3 on every layer, Gemma 3's local layers) attends within the window there, which the
-    engine's attention does not cut: sessions end at the window, where its output is
-    still exactly the model's."""
-    config = model.config
-    longest = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
-    if sliding_window(config):
-        longest = min(longest, sliding_window(config))
-    return longest
+    """The longest history a session may hold: the model's positions. (Its sliding-window
+    layers, if any, attend within their window: specdec.runtime.engine.attention.)"""
+    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
 
 
 def sliding_window(config) -> int | None:

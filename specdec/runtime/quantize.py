@@ -36,6 +36,7 @@ import warnings
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec import flags
 from specdec.runtime import ggml
@@ -64,6 +65,9 @@ def float64_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 AttentionInterface.register(FLOAT64_ATTENTION, float64_attention)
+# The masks sdpa takes (a sliding window's, a padded batch's): transformers builds none for
+# an attention function it does not know, and sdpa then attends causally to every position.
+AttentionMaskInterface.register(FLOAT64_ATTENTION, sdpa_mask)
 
 
 def method_of(model) -> str:

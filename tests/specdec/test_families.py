@@ -162,11 +162,54 @@ def test_a_prompt_in_chunks_gives_one_token_steps_bits(family_dir):
         assert all(torch.equal(g, w) for g, w in zip(got, want)), chunk
 
 
-@pytest.mark.parametrize("family", ["mistral", "phi3"])
-def test_sessions_end_at_a_sliding_window_on_every_layer(tmp_path, smol_tokenizer, family):
-    build_family(family, smol_tokenizer, tmp_path, seed=1, sliding_window=512)
-    model, _ = modeling.load_model(str(tmp_path))
-    assert modeling.max_positions(model) == 512
+def passes_past_the_window(model, tokens: list[int], threads: int = THREADS) -> torch.Tensor:
+    """tokens through the engine: a 20-token prefill, a verify pass of 5, then one-token
+    steps -> the logits after every token."""
+    engine = Engine(model, 1 << 22, threads=threads)
+    try:
+        seq = engine.new_sequence()
+        seq.sync(0, tokens[:20])
+        got = [engine.forward_now(seq, 20)[0]]
+        seq.sync(20, tokens[20:25])
+        got.append(engine.forward_now(seq, 5)[0])
+        for token in tokens[25:]:
+            seq.sync(len(seq.tokens), [token])
+            got.append(engine.forward_now(seq, 1)[0][-1:])
+        return torch.cat(got)
+    finally:
+        engine.stop()
+
+
+def full_attention(model, tokens: list[int]) -> torch.Tensor:
+    """The model's own forward with its window wider than the tokens (the control: the
+    window counts)."""
+    window, model.config.sliding_window = model.config.sliding_window, 1 << 20
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([tokens]), use_cache=False).logits[0]
+    finally:
+        model.config.sliding_window = window
+
+
+# auto: the layers in one kernel call; int8: the Python pass, attention in the kernel; none:
+# the Python pass, attention through torch (masks).
+@pytest.mark.parametrize("family, method", [("mistral", "auto"), ("phi3", "auto"), ("mistral", "int8"),
+                                            ("mistral", "none")])
+def test_a_sliding_window_on_every_layer_is_attended_within_past_it_as_the_models_own_forward(
+        tmp_path, smol_tokenizer, family, method):
+    """Mistral and Phi-3 with a window of 24 on every layer, at more threads than cores,
+    70 tokens: as their own forward."""
+    build_family(family, smol_tokenizer, tmp_path, seed=1, sliding_window=24)
+    model, _ = load(tmp_path, method)
+    assert modeling.max_positions(model) == 4096  # sessions go on past the window
+    tokens = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    unwindowed = full_attention(model, tokens)
+    assert not torch.allclose(want[30:], unwindowed[30:], rtol=1e-3, atol=1e-3)
+    got = passes_past_the_window(model, tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
 def test_a_phi3_with_a_partial_or_dynamic_rotary_embedding_takes_the_generic_path(tmp_path, smol_tokenizer):
@@ -184,37 +227,27 @@ def test_a_phi3_with_a_partial_or_dynamic_rotary_embedding_takes_the_generic_pat
             engine.stop()
 
 
-def test_gemma3s_local_layers_run_within_their_window_as_the_models_own_forward():
+def test_gemma3s_local_layers_attend_within_their_window_past_it_as_the_models_own_forward():
     """Gemma 3: local (sliding-window) layers beside global ones, through the engine's
-    attention on the generic path (its layers are not the kernel's), as transformers'
-    forward within the window, where its sessions end. Soft-capped attention (Gemma 2) is
-    refused."""
+    attention on the generic path (its layers are not the kernel's), past the window as
+    transformers' own forward. Soft-capped attention (Gemma 2) is refused."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
                               max_position_embeddings=1024, layer_types=["sliding_attention"] * 3 + ["full_attention"])
     model = Gemma3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.1)
-    assert modeling.max_positions(model) == 64
-    tokens = torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert modeling.max_positions(model) == 1024
+    tokens = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0]
-    engine = Engine(model, 1 << 22)
-    try:
-        seq = engine.new_sequence()
-        seq.sync(0, tokens[:20])
-        got = [engine.forward_now(seq, 20)[0]]
-        for token in tokens[20:]:
-            seq.sync(len(seq.tokens), [token])
-            got.append(engine.forward_now(seq, 1)[0][-1:])
-    finally:
-        engine.stop()
-    got = torch.cat(got)
+    assert not torch.allclose(want[30:], full_attention(model, tokens)[30:], rtol=1e-3, atol=1e-3)
+    got = passes_past_the_window(model, tokens, threads=None)
     assert len(set(want.argmax(-1).tolist())) > 10  # not a degenerate model
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     capped = Gemma3ForCausalLM(Gemma3TextConfig(**{**config.to_dict(), "attn_logit_softcapping": 50.0}))

@@ -25,6 +25,20 @@ class Group:
     mask: torch.Tensor | None  # [b, 1, Q, L] query may attend key (None: every query attends every key)
     packed: torch.Tensor      # [t] packed indices of the group's new tokens
     flat: torch.Tensor        # [t] where each of them sits in the group's [b * Q] output
+    q_pos: torch.Tensor | None = None  # [b, Q] each query's position (padding: 0)
+    windowed: dict = field(default_factory=dict)  # window -> its mask, built at its first layer
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer that attends within `window` positions (its own included, as
+        transformers' sliding-window layers do), or the group's own where every query's
+        history fits."""
+        length = self.read_slots.shape[1]
+        if not window or length <= window:
+            return self.mask
+        if window not in self.windowed:
+            keys, q_pos = torch.arange(length, device=self.q_pos.device), self.q_pos[:, :, None]
+            self.windowed[window] = ((keys <= q_pos) & (keys > q_pos - window)).unsqueeze(1)
+        return self.windowed[window]
 
 
 @dataclass
@@ -41,6 +55,7 @@ class Plan:
     # token attends [T]); `groups` is then empty.
     kernel: Callable | None = None
     table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    windowed: dict = field(default_factory=dict)  # window -> its table (table_for), built at its first layer
     # A pass of static shapes (model_runner.StaticPasses): each packed token attends on its
     # own, from (slots [T, L] its row reads, padded; positions each token attends [T]);
     # `groups` is then empty, and the pass is never abandoned (a CUDA graph runs whole).
@@ -59,6 +74,19 @@ class Plan:
     # call (specdec/runtime/kernels/layer_cpu.cpp): it reads it before each layer.
     stop: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.uint8))
 
+    def table_for(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel's table for a layer that attends within `window` positions: where a
+        token's history is longer, a row of its own holding its last `window` slots. The
+        pass's own table where every token's history fits."""
+        slots, rows, lengths = self.table
+        if not window or int(lengths.max()) <= window:
+            return self.table
+        if window not in self.windowed:
+            starts = (lengths - window).clamp(min=0)  # a token's last `window` positions end at its own
+            own = slots[rows[:, None], starts[:, None] + torch.arange(window)]
+            self.windowed[window] = (own, torch.arange(len(rows)), lengths - starts)
+        return self.windowed[window]
+
     def abandoned(self) -> bool:
         """Every row's caller has gone (a decode whose reader moved on to another call on
         the session): the rest of the pass would compute what nobody reads, and hold
@@ -71,9 +99,11 @@ class Abandoned(Exception):
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, specdec_plan=None,
-                    **kwargs):
+                    sliding_window=None, **kwargs):
     """query: [1, heads, T, d], key/value: [1, kv_heads, T, d] for the packed new tokens.
-    Writes the new keys and values to the pool, then attends each row to its own."""
+    Writes the new keys and values to the pool, then attends each row to its own: in a
+    sliding-window layer (transformers passes its `sliding_window`), to its last that many
+    positions. The pool keeps every position of every layer."""
     plan = specdec_plan
     if plan is None:
         raise RuntimeError("this model runs through specdec's Engine now: load another copy for other uses")
@@ -84,33 +114,46 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
     if plan.kernel is not None:
-        return plan.kernel(query[0].transpose(0, 1), k_pool, v_pool, *plan.table, scaling).unsqueeze(0), None
+        table = plan.table_for(sliding_window)
+        return plan.kernel(query[0].transpose(0, 1), k_pool, v_pool, *table, scaling).unsqueeze(0), None
     if plan.by_token is not None:
+        if sliding_window:
+            raise ValueError("static passes run Llama's layers, which attend every position")
         return _attend_by_token(plan, query, k_pool, v_pool, scaling), None
     if len(plan.groups) == 1 and plan.groups[0].read_slots.shape[0] == 1:
         # The pass's one row (a decode step, one session's round): its tokens in order,
         # nothing to pick out or place back.
-        o = _attend(plan.groups[0], query.to(plan.dtype), k_pool, v_pool, plan.dtype, scaling)
+        o = _attend(plan.groups[0], query.to(plan.dtype), k_pool, v_pool, plan.dtype, scaling, sliding_window)
         return o.transpose(1, 2).to(query.dtype), None
     queries = query[0].transpose(0, 1).to(plan.dtype)  # [T, heads, d]
     out = torch.empty_like(queries)
     for g in plan.groups:
         b = g.read_slots.shape[0]
         q = queries.index_select(0, g.q_index.view(-1)).view(b, -1, *queries.shape[1:]).transpose(1, 2)
-        o = _attend(g, q, k_pool, v_pool, plan.dtype, scaling)
+        o = _attend(g, q, k_pool, v_pool, plan.dtype, scaling, sliding_window)
         b, heads, width, d = o.shape
         out.index_copy_(0, g.packed, o.transpose(1, 2).reshape(b * width, heads, d)[g.flat])
     return out.unsqueeze(0).to(query.dtype), None
 
 
-def _attend(g: Group, q, k_pool, v_pool, dtype, scaling) -> torch.Tensor:
-    """q: [b, heads, Q, d] -> [b, heads, Q, d], each row attending the slots it reads."""
+def window_of(attn) -> int | None:
+    """The window an attention layer of a Llama-family model attends within, as its own
+    forward passes it to the attention interface (Qwen's per layer; Mistral's and Phi-3's
+    the config's); None: every position."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(attn.config, "sliding_window", None) if attn.config.model_type in ("mistral", "phi3") else None
+
+
+def _attend(g: Group, q, k_pool, v_pool, dtype, scaling, window: int | None = None) -> torch.Tensor:
+    """q: [b, heads, Q, d] -> [b, heads, Q, d], each row attending the slots it reads (the
+    last `window` of them, in a sliding-window layer)."""
     b, length = g.read_slots.shape
     # index_select, not indexing with the [b, L] tensor: a third less time at a step's sizes
     k = k_pool.index_select(0, g.read_slots.view(-1)).view(b, length, *k_pool.shape[1:])
     v = v_pool.index_select(0, g.read_slots.view(-1)).view(b, length, *v_pool.shape[1:])
     k, v = k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)  # [b, kv_heads, L, d]
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling,
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask_for(window), scale=scaling,
                                                             enable_gqa=True)
 
 
@@ -131,9 +174,9 @@ AttentionInterface.register(ATTENTION, paged_attention)
 
 
 def check_supported(model) -> None:
-    """The pool holds every position of every layer, and attention here is softmax(q kᵀ)v:
-    refuse models that attend otherwise. Sliding-window layers attend to every position
-    within their window, which is as far as a session goes (modeling.max_positions)."""
+    """The pool holds every position of every layer, and attention here is causal
+    softmax(q kᵀ)v over every earlier position or, in a sliding-window layer, over the
+    last `sliding_window` of them: refuse models that attend otherwise."""
     from specdec.runtime.modeling import sliding_window
 
     config = model.config
@@ -142,6 +185,8 @@ def check_supported(model) -> None:
             (kinds != {"full_attention"} or getattr(config, "use_sliding_window", False)) and not sliding_window(config):
         raise ValueError(f"{config.model_type}: only models whose every layer attends to every position, or "
                          f"within one window, are supported (layer types {sorted(kinds)})")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{config.model_type}: bidirectional attention is not supported")
     if getattr(config, "attn_logit_softcapping", None):
         raise ValueError(f"{config.model_type}: attention with soft-capped logits is not supported")
     if not model._can_set_attn_implementation():

@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 import torch
 
-from specdec.runtime.engine.attention import ATTENTION, Abandoned, Group, Plan, paged_attention
+from specdec.runtime.engine.attention import ATTENTION, Abandoned, Group, Plan, paged_attention, window_of
 from specdec.runtime.engine.block_manager import KVPool
 from specdec.runtime.engine.scheduler import Row
 from specdec.runtime.quantize import attention_dtype, share_fused
@@ -121,7 +121,8 @@ class ModelRunner:
             mask = (torch.arange(length, device=device)[None, None, :]
                     <= torch.tensor(q_pos, device=device)[:, :, None]).unsqueeze(1)
         return Group(read_slots, torch.tensor(q_index, device=device), mask,
-                     torch.tensor(packed, device=device), torch.tensor(flat, device=device))
+                     torch.tensor(packed, device=device), torch.tensor(flat, device=device),
+                     torch.tensor(q_pos, device=device))
 
 
 class StaticPasses:
@@ -386,10 +387,9 @@ def _is_llama(model) -> bool:
 
 def _llama_like(model) -> bool:
     """A model whose layers compute as Llama's but for what _llama_forward takes from its
-    modules: Mistral (within its window: specdec.runtime.modeling.max_positions), Qwen2 (biases on
-    q, k and v), Qwen3 (a norm on each q and k head), Phi-3 (q|k|v and gate|up one product
-    each: quantize.share_fused; its residual dropout nothing in eval). A model with
-    sliding-window layers runs within its window (specdec.runtime.engine.attention.check_supported).
+    modules: Mistral, Qwen2 (biases on q, k and v), Qwen3 (a norm on each q and k head),
+    Phi-3 (q|k|v and gate|up one product each: quantize.share_fused; its residual dropout
+    nothing in eval). Sliding-window layers attend within their window (attention.window_of).
     Rotary embeddings turn every dimension of a head, at a frequency of the position alone
     (RotaryTable holds each position's): a partial rotary embedding, or a dynamic one
     (frequencies that follow the longest position of a pass), takes the generic path."""
@@ -498,7 +498,8 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
-        o, _ = paged_attention(attn, q, k, v, None, scaling=attn.scaling, specdec_plan=plan)
+        o, _ = paged_attention(attn, q, k, v, None, scaling=attn.scaling, specdec_plan=plan,
+                               sliding_window=window_of(attn))
         h = h + attn.o_proj(o.reshape(*x.shape[:-1], -1).contiguous())
         x = layer.post_attention_layernorm(h)
         mlp = layer.mlp
@@ -518,14 +519,18 @@ class _LayerStacks:
     """The model's decoder layers in `LlamaStack`s: all of them in one, and the runs
     between the layers whose features a pass keeps, each built at its first use."""
 
-    def __init__(self, model, whole):
+    def __init__(self, model, whole, window: int | None):
         self.model, self.count = model, len(model.model.layers)
         self.built = {(0, self.count): whole}
+        self.window = window  # every layer's (Mistral's, Phi-3's): the stack attends through one table
 
     @classmethod
     def of(cls, model) -> "_LayerStacks | None":
+        windows = {window_of(layer.self_attn) for layer in model.model.layers}
+        if len(windows) > 1:
+            return None  # layers that attend otherwise (Qwen's window on some): the Python pass takes each
         whole = _layer_stack(model)
-        return None if whole is None else cls(model, whole)
+        return None if whole is None else cls(model, whole, windows.pop())
 
     def get(self, start: int, end: int):
         if (stack := self.built.get((start, end))) is None:
@@ -591,7 +596,7 @@ def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, pla
         if start in plan.feature_layers:
             plan.features[start] = h[plan.feature_rows]
         h = stacks.get(start, end).forward(h, cos[0], sin[0], plan.pool.k[start:end], plan.pool.v[start:end],
-                                           plan.write_slots, *plan.table, plan.stop)
+                                           plan.write_slots, *plan.table_for(stacks.window), plan.stop)
         if h is None:
             raise Abandoned  # what the layers before it wrote lies past the rows' cached positions: not counted
     if stacks.count in plan.feature_layers:
