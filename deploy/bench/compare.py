@@ -117,6 +117,7 @@ def run_hf(variant: str, index: int, target, ids: list[int], max_new_tokens: int
 class _LocalDrafter:
     """The drafter's proposer behind the interface of the orchestrator's DrafterLink."""
     lookup_rule = None  # a model proposer: it never drafts by lookup
+    drafts_by_model = True
 
     def __init__(self, proposer, params):
         self.proposer, self.params, self.seq = proposer, params, proposer.new_sequence()
