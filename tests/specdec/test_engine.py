@@ -567,8 +567,10 @@ engine = Engine(LlamaForCausalLM(config).eval(), 64 << 20, threads=4)
 seq = engine.new_sequence()
 seq.sync(0, [t % 300 for t in range(6000)])
 work = engine.submit(seq, 1)
-time.sleep(0.2)
-started = work.in_pass and not work.future.done()  # the prefill's passes are running
+deadline = time.monotonic() + 60
+while not work.in_pass and time.monotonic() < deadline:  # until the prefill's first pass has started
+    time.sleep(0.001)
+started = work.in_pass and not work.future.done()
 engine.stop()
 print(started, engine.thread.is_alive())
 """

@@ -25,7 +25,7 @@ class Group:
     mask: torch.Tensor | None  # [b, 1, Q, L] query may attend key (None: every query attends every key)
     packed: torch.Tensor      # [t] packed indices of the group's new tokens
     flat: torch.Tensor        # [t] where each of them sits in the group's [b * Q] output
-    q_pos: torch.Tensor | None = None  # [b, Q] each query's position (padding: 0)
+    q_pos: torch.Tensor       # [b, Q] each query's position (padding: 0)
     windowed: dict = field(default_factory=dict)  # window -> its mask, built at its first layer
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
@@ -78,13 +78,16 @@ class Plan:
         """The kernel's table for a layer that attends within `window` positions: where a
         token's history is longer, a row of its own holding its last `window` slots. The
         pass's own table where every token's history fits."""
-        slots, rows, lengths = self.table
-        if not window or int(lengths.max()) <= window:
+        if not window:
             return self.table
         if window not in self.windowed:
-            starts = (lengths - window).clamp(min=0)  # a token's last `window` positions end at its own
-            own = slots[rows[:, None], starts[:, None] + torch.arange(window)]
-            self.windowed[window] = (own, torch.arange(len(rows)), lengths - starts)
+            slots, rows, lengths = self.table
+            if int(lengths.max()) <= window:
+                self.windowed[window] = self.table
+            else:
+                starts = (lengths - window).clamp(min=0)  # a token's last `window` positions end at its own
+                own = slots[rows[:, None], starts[:, None] + torch.arange(window)]
+                self.windowed[window] = (own, torch.arange(len(rows)), lengths - starts)
         return self.windowed[window]
 
     def abandoned(self) -> bool:
@@ -140,9 +143,9 @@ def window_of(attn) -> int | None:
     """The window an attention layer of a Llama-family model attends within, as its own
     forward passes it to the attention interface (Qwen's per layer; Mistral's and Phi-3's
     the config's); None: every position."""
-    if hasattr(attn, "sliding_window"):
-        return attn.sliding_window
-    return getattr(attn.config, "sliding_window", None) if attn.config.model_type in ("mistral", "phi3") else None
+    from specdec.runtime.modeling import sliding_window
+
+    return attn.sliding_window if hasattr(attn, "sliding_window") else sliding_window(attn.config)
 
 
 def _attend(g: Group, q, k_pool, v_pool, dtype, scaling, window: int | None = None) -> torch.Tensor:
