@@ -100,6 +100,11 @@ def ray_command(args) -> int:
     if args.ray_command == "up":
         import signal
 
+        if args.drafter_device not in (None, "cpu"):
+            print(f"specdec ray up: --drafter-device {args.drafter_device}: Ray's drafter actors run on CPUs",
+                  file=sys.stderr, flush=True)
+            return 2
+
         try:
             import ray  # noqa: F401  (the launcher's, imported here to say what is missing)
         except ModuleNotFoundError as err:
@@ -131,6 +136,7 @@ def ray_command(args) -> int:
                 address=args.address,
                 verifier_gpus=args.verifier_gpus, verifier_cpus=args.verifier_cpus, drafter_cpus=args.drafter_cpus,
                 orchestrator_cpus=args.orchestrator_cpus, dtype=args.dtype, device=args.device,
+                drafter_dtype=args.drafter_dtype,
                 verifier_flags=verifier_flags, drafter_flags=drafter_flags,
                 orchestrator_flags=["--overlap" if args.overlap else "--no-overlap",
                                     "--http-port", str(args.http_port)],
@@ -203,14 +209,22 @@ def ray_command(args) -> int:
 
 def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     """What `specdec up` and `specdec ray up` both take."""
-    flags.add(p, "--dtype", env="SPECDEC_DTYPE", default="float32", help="weights dtype of both models")
+    flags.add(p, "--dtype", env="SPECDEC_DTYPE", default="float32",
+              help="weights dtype of the target, and of a draft on a GPU")
+    flags.add(p, "--drafter-dtype", env="SPECDEC_DRAFTER_DTYPE", default=None, choices=["float32", "float16", "bfloat16"],
+              help="weights dtype of the draft (default: float32 on a CPU, where its kernels are, else --dtype's; "
+                   "a draft's numerics change its speed and acceptance, never the output)")
     flags.add(p, "--proposer", env="SPECDEC_PROPOSER", default="hybrid", choices=["model", "hybrid"],
               help="how a model draft drafts: prompt lookup when the context holds a long match and the model "
                    "otherwise (hybrid), or the model alone")
     flags.add(p, "--quantize", env="SPECDEC_QUANTIZE", default="auto", choices=flags.QUANTIZE,
               help=flags.QUANTIZE_HELP + " (of both models)")
     flags.add(p, "--device", env="SPECDEC_DEVICE", default=None,
-              help="torch device of the verifier (default: cpu; under Ray, cuda when it got a GPU)")
+              help="torch device of the verifier, and of the drafters unless --drafter-device (default: cpu; under "
+                   "Ray, the verifier's is cuda when it got a GPU)")
+    flags.add(p, "--drafter-device", env="SPECDEC_DRAFTER_DEVICE", default=None,
+              help="torch device of the drafters (default: --device's; cpu beside a GPU verifier: the drafters on "
+                   "this machine's cores, as a drafter node beside a GPU server; under Ray always cpu)")
     flags.add(p, "--cuda-graphs", env="SPECDEC_CUDA_GRAPHS", default="off", choices=["off", "on", "compiled"],
               help="every model on a GPU (Llama-family): passes of up to 64 tokens replayed from CUDA graphs, "
                    "captured at start-up (on), of torch.compile's kernels (compiled: each shape's first pass "

@@ -82,9 +82,11 @@ VERIFIER_THREADS, DRAFTER_THREADS, DRAFTER_NICE = os.cpu_count() or 1, 1, 15
 
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
          device: str = "cpu", overlap: bool = False, verifier_flags: list[str] = (),
-         drafter_flags: list[str] = (), admin_port: int | None = None, http_port: int | None = None
-         ) -> list[Service]:
-    """The processes of one deployment; `draft` is "ngram" or a draft model. They share
+         drafter_flags: list[str] = (), admin_port: int | None = None, http_port: int | None = None,
+         drafter_device: str | None = None, drafter_dtype: str | None = None) -> list[Service]:
+    """The processes of one deployment; `draft` is "ngram" or a draft model, on
+    `drafter_device` (default: the verifier's `device`) in `drafter_dtype` (default:
+    drafter_dtype_for's). They share
     this machine's cores: the verifier's passes get all of them, each drafter's one, at
     a lower CPU priority (a pass's threads wait for each other at every operation, so a
     thread whose core goes to a drafter stalls the whole pass; the drafters' work beside
@@ -103,7 +105,8 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
     for i in range(num_drafters):
         d = Service(f"drafter-{i}", free_port(), [], nice=DRAFTER_NICE)
         proposer = ["--proposer", "ngram"] if draft == "ngram" else [  # the model's proposer: drafter_flags
-            "--model", draft, "--dtype", dtype, "--device", device, "--threads", str(DRAFTER_THREADS)]
+            "--model", draft, "--dtype", drafter_dtype_for(dtype, drafter_device or device, drafter_dtype),
+            "--device", drafter_device or device, "--threads", str(DRAFTER_THREADS)]
         d.argv = [*python, "drafter_service", "--host", HOST, "--port", str(d.port), *proposer, *drafter_flags]
         drafters.append(d)
     admin_port = admin_port or free_port()  # `specdec up` gives one; the benchmarks' deployments any free one
@@ -118,6 +121,14 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
         service.metrics_port = free_port()
         service.argv += ["--metrics-port", str(service.metrics_port)]
     return services
+
+
+def drafter_dtype_for(dtype: str, device: str, drafter_dtype: str | None = None) -> str:
+    """A drafter's weights dtype: `drafter_dtype` if given; on a CPU float32 (the CPU
+    kernels' activations; a 16-bit model there takes torch's slower path, and a draft's
+    numerics are not the output's: they change its speed and acceptance only); elsewhere
+    the deployment's `dtype`."""
+    return drafter_dtype or ("float32" if device == "cpu" else dtype)
 
 
 def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
@@ -207,7 +218,8 @@ def up(args) -> int:
     verifier_flags, drafter_flags = service_flags(args)
     services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device or "cpu",
                     args.overlap, verifier_flags=verifier_flags, drafter_flags=drafter_flags,
-                    admin_port=args.admin_port, http_port=args.http_port)
+                    admin_port=args.admin_port, http_port=args.http_port, drafter_device=args.drafter_device,
+                    drafter_dtype=args.drafter_dtype)
     stopping = False
 
     def on_signal(signum, frame):

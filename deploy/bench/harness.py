@@ -37,6 +37,10 @@ def model_flags(parser: argparse.ArgumentParser, out: str, quantize: bool = True
     if draft:
         parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    if draft:
+        parser.add_argument("--drafter-device", default=None, help="the drafters' device (default: --device's)")
+        parser.add_argument("--drafter-dtype", default=None, choices=sorted(modeling.DTYPES),
+                            help="the draft's dtype (default: float32 on a CPU, else --dtype's)")
     parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
     if quantize:
         parser.add_argument("--quantize", default="auto", choices=flags.QUANTIZE,
@@ -120,7 +124,9 @@ def plan(args, drafters: int = 1, draft: str | None = None, overlap: bool = Fals
     numerics = ["--quantize", quantize] if quantize else []
     services = launch.plan(args.target, draft or args.draft, drafters, launch.free_port(), args.dtype, args.device,
                            overlap, verifier_flags=[*numerics, *verifier_flags],
-                           drafter_flags=[*numerics, *drafter_flags])
+                           drafter_flags=[*numerics, *drafter_flags],
+                           drafter_device=getattr(args, "drafter_device", None),
+                           drafter_dtype=getattr(args, "drafter_dtype", None))
     services[-1].argv += list(orchestrator_flags)
     return services
 

@@ -9,6 +9,8 @@ the end of the window the requests still running are cancelled. Variants:
   adaptive    K chosen per round by the orchestrator from the batched costs (the default)
   unbatched   the default (K chosen per round) with batching off (--max-batch-rows 1
               on the verifier and the drafters: one session per forward pass)
+  overlap     the default with --overlap (each round's successor drafted while the
+              round is verified)
   llama.cpp   with --llama-cpp DIR: llama.cpp's `llama-server` on the same GGUF file, as
               many slots as the highest concurrency, every core, through its streaming
               /completion endpoint with the same token ids (its own numerics: its
@@ -52,7 +54,7 @@ from specdec.api.orchestrator.v1 import orchestrator_pb2_grpc
 
 log = logging.getLogger("bench.load")
 
-VARIANTS = ("target", "fixed", "adaptive", "unbatched")
+VARIANTS = ("target", "fixed", "adaptive", "unbatched", "overlap")
 
 
 @dataclass
@@ -299,11 +301,13 @@ def run(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = model_files.load_tokenizer(args.target)
     prompts = [prompt.encode(tokenizer) for prompt in harness.read_prompts(args.prompts)]
-    deployments = {"batched": harness.plan(args, args.num_drafters)}
+    deployments = {"batched": harness.plan(args, args.num_drafters)}  # and the variants of a deployment of their own:
     if "unbatched" in variants:
         off = ["--max-batch-rows", "1"]
         deployments["unbatched"] = harness.plan(args, args.num_drafters, verifier_flags=off, drafter_flags=off)
-    ks = {"target": 0, "fixed": args.k, "adaptive": None, "unbatched": None, "llama.cpp": None}
+    if "overlap" in variants:
+        deployments["overlap"] = harness.plan(args, args.num_drafters, overlap=True)
+    ks = {"target": 0, "fixed": args.k, "adaptive": None, "unbatched": None, "overlap": None, "llama.cpp": None}
     penalties = {name: value for name, value in (("frequency_penalty", args.frequency_penalty),
                                                  ("presence_penalty", args.presence_penalty)) if value}
     if penalties and args.llama_cpp:
@@ -313,7 +317,7 @@ def run(args) -> dict:
     with harness.running(*deployments.values(), log_dir=harness.log_dir(args)), (
             harness.llama_server(args.llama_cpp, args.target, max(levels)) if args.llama_cpp
             else contextlib.nullcontext()) as llama_url:
-        address = {v: deployments["unbatched" if v == "unbatched" else "batched"][-1].address for v in variants}
+        address = {v: deployments[v if v in deployments else "batched"][-1].address for v in variants}
         if llama_url is not None:
             address["llama.cpp"] = llama_url
         for v in variants:  # first calls pay one-off costs: keep them out of the figures

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import ray
 
+from deploy import launch
 from deploy.ray.actors import ReplicaController, ServiceActor
 from specdec.runtime import modeling
 
@@ -105,6 +106,7 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
        address: str | None = None, namespace: str = "specdec", verifier_gpus: str | float = "auto",
        verifier_cpus: float | None = None, drafter_cpus: float | None = None,
        orchestrator_cpus: float | None = None, dtype: str = "float32", device: str | None = None,
+       drafter_dtype: str | None = None,
        verifier_flags: list[str] = (), drafter_flags: list[str] = (), orchestrator_flags: list[str] = (),
        refresh_s: float = 0.5, drain_s: float = 3.0, autoscale: dict | None = None,
        autoscale_verifiers: dict | None = None, name: str = "specdec",
@@ -149,7 +151,8 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
         name, "verifier", ["--host", host, "--port", "0", "--model", target, "--dtype", dtype, "--device", device,
                            *verifier_flags], verifier_cpus, verifier_gpus, drain_s, num_verifiers)
     proposer = ["--proposer", "ngram"] if draft == "ngram" else [  # the model's proposer: drafter_flags
-        "--model", draft, "--dtype", dtype, "--device", "cpu"]  # drafter actors ask for CPUs
+        "--model", draft, "--dtype", launch.drafter_dtype_for(dtype, "cpu", drafter_dtype),
+        "--device", "cpu"]  # drafter actors ask for CPUs
     controller_name = f"{name}-drafter-controller"
     controller = ray.remote(ReplicaController).options(name=controller_name, num_cpus=0, max_restarts=3).remote(
         name, "drafter", ["--host", host, "--port", "0", *proposer, *drafter_flags], drafter_cpus, 0, drain_s,

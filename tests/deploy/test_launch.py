@@ -2,6 +2,8 @@
 
 import socket
 
+import pytest
+
 from deploy import launch
 
 
@@ -82,6 +84,42 @@ def test_the_gpu_flags_of_a_deployment_go_where_they_apply():
     default = cli.build_parser().parse_args(["up"])
     parsed = build_parser().parse_args(["--model", "target-dir", *launch.service_flags(default)[0]])
     assert (parsed.cuda_graphs, parsed.batch_invariant) == ("off", 0)
+
+
+def test_the_drafters_run_on_their_own_device_beside_the_verifiers():
+    """`specdec up --device cuda --drafter-device cpu`: the verifier on the GPU, the
+    drafters on this machine's cores (a drafter node beside a GPU server); without the
+    flag the drafters take the verifier's device; Ray's drafter actors are on CPUs and
+    any other device is refused there with the flag named."""
+    from deploy import cli
+    from drafter_service.server import build_parser as drafter_parser
+    from verifier_service.server import build_parser
+
+    def devices(argv):
+        args = cli.build_parser().parse_args(argv)
+        services = launch.plan(args.target, args.draft, 2, launch.free_port(), args.dtype, args.device or "cpu",
+                               drafter_device=args.drafter_device, drafter_dtype=args.drafter_dtype)
+        verifier, *drafters, _ = services
+        parsed = build_parser().parse_args(verifier.argv[3:])
+        return ((parsed.device, parsed.dtype),
+                [(d.device, d.dtype) for d in (drafter_parser().parse_args(d.argv[3:]) for d in drafters)])
+
+    # A draft on a CPU in float32, where its kernels are (bfloat16 there takes torch's path);
+    # on a GPU in the deployment's dtype, or the one asked for.
+    bf16 = ["--dtype", "bfloat16"]
+    assert devices(["up", "--device", "cuda", "--drafter-device", "cpu", *bf16]) == (
+        ("cuda", "bfloat16"), [("cpu", "float32")] * 2)
+    assert devices(["up", "--device", "cuda", *bf16]) == (("cuda", "bfloat16"), [("cuda", "bfloat16")] * 2)
+    assert devices(["up", "--device", "cuda", "--drafter-device", "cpu", "--drafter-dtype", "bfloat16", *bf16]) == (
+        ("cuda", "bfloat16"), [("cpu", "bfloat16")] * 2)
+    assert devices(["up"]) == (("cpu", "float32"), [("cpu", "float32")] * 2)
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stopped:
+        cli.main(["ray", "up", "--drafter-device", "cuda"])
+    assert stopped.value.code == 2 and "--drafter-device cuda" in err.getvalue()
 
 
 def test_a_speculation_limit_past_the_verifiers_is_refused_at_start():
