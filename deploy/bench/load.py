@@ -170,6 +170,9 @@ def summarize(requests: list[Request], window_s: float, reference: dict[int, lis
         "acceptance": sum(r.stats.accepted_tokens for r in done) / drafted if drafted else None,
         "draft_tokens_per_round": drafted / rounds if rounds else 0.0,
         "mean_batch_rows": sum(r.stats.mean_batch_rows * r.stats.rounds for r in done) / rounds if rounds else 0.0,
+        # A round's parts as the orchestrator waited on them, each call included.
+        "draft_ms_per_round": sum(r.stats.draft_seconds for r in done) * 1e3 / rounds if rounds else 0.0,
+        "verify_ms_per_round": sum(r.stats.verify_seconds for r in done) * 1e3 / rounds if rounds else 0.0,
         "checked": sum(r.prompt in reference for r in seen),
         "same_as_target": sum(r.tokens == reference[r.prompt][:len(r.tokens)] for r in seen if r.prompt in reference),
         "same_as_alone": sum(r.tokens == alone[r.prompt][:len(r.tokens)] for r in seen if r.prompt in alone),
@@ -188,9 +191,9 @@ def markdown(cells: dict, meta: dict) -> str:
              f"{meta['single_target_tokens_per_s']:.1f} tok/s",
              "",
              "| streams | variant | tok/s | x target per stream | of batched target | TTFT p50/p99 ms | "
-             "ITL p50/p99 ms | latency p99 s | acceptance | drafts/round | rows/pass | requests (cut) | failed | "
-             "same as target | same as alone |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p50/p99 ms | latency p99 s | acceptance | drafts/round | draft/verify ms a round | rows/pass | "
+             "requests (cut) | failed | same as target | same as alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     single = meta["single_target_tokens_per_s"]
     for streams, by_variant in cells.items():
         target = by_variant.get("target")
@@ -202,13 +205,15 @@ def markdown(cells: dict, meta: dict) -> str:
                 f"| {streams} | {variant} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / single:.2f}x | "
                 f"{of_target} | {row['ttft_s_p50'] * 1e3:.0f}/{row['ttft_s_p99'] * 1e3:.0f} | "
                 f"{row['itl_s_p50'] * 1e3:.0f}/{row['itl_s_p99'] * 1e3:.0f} | {row['latency_s_p99']:.1f} | "
-                f"{acceptance} | {row['draft_tokens_per_round']:.2f} | {row['mean_batch_rows']:.1f} | "
+                f"{acceptance} | {row['draft_tokens_per_round']:.2f} | "
+                f"{row['draft_ms_per_round']:.2f}/{row['verify_ms_per_round']:.2f} | {row['mean_batch_rows']:.1f} | "
                 f"{row['requests']} ({row['cut']}) | {failed} | {row['same_as_target']}/{row['checked']} | "
                 f"{row['same_as_alone']}/{row['checked_alone']} |")
     lines += ["", "requests: completed in the window (cut: still running when it closed, cancelled; their tokens "
                   "count up to the cut). same as target: outputs (a cut one's prefix) equal to the target's own "
                   "greedy `generate`; same as alone: equal to the same variant's output for that prompt at the "
-                  "lowest concurrency (a difference is a near-tie flipped by batching)."]
+                  "lowest concurrency (a difference is a near-tie flipped by batching). draft/verify ms a round: "
+                  "what a round waited on its drafter call and its verifier call, as the orchestrator saw them."]
     return "\n".join(lines) + "\n"
 
 

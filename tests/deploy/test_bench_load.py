@@ -27,6 +27,8 @@ def test_bench_load_runs_every_variant(tiny_pair, tmp_path):
             assert row["tokens"] > 0 and row["tokens_per_s"] > 0
         assert by_variant["target"]["draft_tokens_per_round"] == 0
         assert by_variant["fixed"]["draft_tokens_per_round"] > 0
+        assert by_variant["fixed"]["draft_ms_per_round"] > 0 and by_variant["fixed"]["verify_ms_per_round"] > 0
+        assert by_variant["target"]["verify_ms_per_round"] > 0
         assert by_variant["unbatched"]["mean_batch_rows"] == 1.0
     assert report["cells"]["4"]["target"]["mean_batch_rows"] > 1
     assert (out / "load.png").stat().st_size > 0
