@@ -36,6 +36,9 @@ def test_the_split_topology_gives_the_verifier_its_cores_and_the_rest_the_last(t
     assert verifier.argv[last + 1] == str(len(cores) - 1)
     assert {s.cpus for s in placed.values()} == {(cores[-1],)} and {s.nice for s in placed.values()} == {0}
     assert all(s.cpus is None for s in split.deployment(args, "shared"))
+    for topology in split.TOPOLOGIES:  # the overlap variant's orchestrator drafts ahead, the others' do not
+        assert [split.deployment(args, topology, overlap)[-1].argv.count("--overlap") for overlap in (False, True)] \
+            == [0, 1], topology
 
 
 def test_bench_split_runs_each_cell_and_the_outputs_agree(tiny_pair, tmp_path):
@@ -43,11 +46,15 @@ def test_bench_split_runs_each_cell_and_the_outputs_agree(tiny_pair, tmp_path):
     out = tmp_path / "out"
     args = split.build_parser().parse_args(
         ["--target", str(target), "--draft", str(draft), "--requests", "2", "--max-new-tokens", "8",
-         "--passes", "1", "--quantize", "none", "--out", str(out)])
+         "--passes", "1", "--quantize", "none", "--overlap", "--out", str(out)])
     assert split.main_with(args) == 0
     report = json.loads((out / "split.json").read_text())
     assert [(r["topology"], r["variant"]) for r in report["rows"]] == [
-        ("shared", "defaults"), ("shared", "K = 0"), ("split", "defaults"), ("split", "K = 0")]
+        (t, v) for t in ("shared", "split") for v in ("defaults", "K = 0", "overlap")]
     assert all(r["tok_s"] > 0 and len(r["tokens"]) == 2 for r in report["rows"])
     assert all(r["drafted"] == 0 for r in report["rows"] if r["variant"] == "K = 0")
-    assert {t: (s["same"], s["checked"]) for t, s in report["summary"].items()} == {"shared": (2, 2), "split": (2, 2)}
+    for topology, s in report["summary"].items():
+        assert {v: (a["same"], a["checked"]) for v, a in s["variants"].items()} == {
+            "defaults": (2, 2), "overlap": (2, 2)}, topology
+        assert s["speedup"] == s["variants"]["defaults"]["speedup"] > 0
+    assert "| split | overlap |" in (out / "split.md").read_text()
