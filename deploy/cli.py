@@ -100,10 +100,6 @@ def ray_command(args) -> int:
     if args.ray_command == "up":
         import signal
 
-        if args.drafter_device not in (None, "cpu"):
-            print(f"specdec ray up: --drafter-device {args.drafter_device}: Ray's drafter actors run on CPUs",
-                  file=sys.stderr, flush=True)
-            return 2
 
         try:
             import ray  # noqa: F401  (the launcher's, imported here to say what is missing)
@@ -136,7 +132,7 @@ def ray_command(args) -> int:
                 address=args.address,
                 verifier_gpus=args.verifier_gpus, verifier_cpus=args.verifier_cpus, drafter_cpus=args.drafter_cpus,
                 orchestrator_cpus=args.orchestrator_cpus, dtype=args.dtype, device=args.device,
-                drafter_dtype=args.drafter_dtype,
+                drafter_device=args.drafter_device, drafter_dtype=args.drafter_dtype,
                 verifier_flags=verifier_flags, drafter_flags=drafter_flags,
                 orchestrator_flags=["--overlap" if args.overlap else "--no-overlap",
                                     "--http-port", str(args.http_port)],

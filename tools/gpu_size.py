@@ -132,7 +132,10 @@ def measured(model, **engine_flags) -> dict:
 def engine_check(out_dir: Path) -> dict:
     results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
                "shapes": SHAPES, "copy_gb_s": copy_gb_s()}
-    save = lambda: (out_dir / "gpu_size.json").write_text(json.dumps(results, indent=1))  # noqa: E731
+
+    def save():  # after each run: a stage its time limit cuts keeps what it measured
+        (out_dir / "gpu_size.json").write_text(json.dumps(results, indent=1))
+
     graphs = [True, False] if DEVICE == "cuda" else [False]  # a CPU has no graphs to capture
     for name in ("target", "draft"):
         model = build(name)

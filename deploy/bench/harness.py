@@ -34,14 +34,13 @@ def model_flags(parser: argparse.ArgumentParser, out: str, quantize: bool = True
     """The flags every benchmark that starts a deployment takes, as `specdec up` names them
     (`quantize` False: the benchmark takes its own --quantize, or none)."""
     parser.add_argument("--target", default=modeling.DEFAULT_TARGET)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
     if draft:
         parser.add_argument("--draft", default=modeling.DEFAULT_DRAFT)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    if draft:
         parser.add_argument("--drafter-device", default=None, help="the drafters' device (default: --device's)")
         parser.add_argument("--drafter-dtype", default=None, choices=sorted(modeling.DTYPES),
                             help="the draft's dtype (default: float32 on a CPU, else --dtype's)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(modeling.DTYPES))
     if quantize:
         parser.add_argument("--quantize", default="auto", choices=flags.QUANTIZE,
                             help="numerics of every model (auto: as specdec up)")

@@ -106,7 +106,7 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
        address: str | None = None, namespace: str = "specdec", verifier_gpus: str | float = "auto",
        verifier_cpus: float | None = None, drafter_cpus: float | None = None,
        orchestrator_cpus: float | None = None, dtype: str = "float32", device: str | None = None,
-       drafter_dtype: str | None = None,
+       drafter_device: str | None = None, drafter_dtype: str | None = None,
        verifier_flags: list[str] = (), drafter_flags: list[str] = (), orchestrator_flags: list[str] = (),
        refresh_s: float = 0.5, drain_s: float = 3.0, autoscale: dict | None = None,
        autoscale_verifiers: dict | None = None, name: str = "specdec",
@@ -122,6 +122,8 @@ def up(target: str, draft: str = modeling.DEFAULT_DRAFT, num_drafters: int = 1, 
     autoscale: {"min": 1, "max": 4, "target_sessions": 4, "cooldown_s": 30} turns the
     orchestrator's drafter autoscaler on; autoscale_verifiers (the same keys, target_sessions
     16 by default) its verifier autoscaler."""
+    if drafter_device not in (None, "cpu"):
+        raise PlacementError(f"--drafter-device {drafter_device}: Ray's drafter actors ask for CPUs only")
     if not ray.is_initialized():
         # A local Ray stays on loopback, like every service of a one-machine deployment.
         ray.init(address=address, namespace=namespace,
