@@ -28,8 +28,12 @@ def build_llama(tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: i
 
 
 # Families the CPU's layer kernel runs (specdec.runtime.engine.model_runner._llama_like), each with
-# what it differs by switched on: Qwen2's q/k/v biases, Qwen3's head norms (and a tied head).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# what it differs by switched on: Qwen2's q/k/v biases, Qwen3's head norms (and a tied head),
+# Gemma 3's four norms a layer (offset from 1), embedding scale, GELU-tanh, query scale and
+# a local layer (a window of 24, its own rotary embedding) before a global one (its head
+# untied: tied to a random embedding that it scales up, each token's own logit won, and
+# greedy output repeated 4 tokens).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 
 
 def build_family(family: str, tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: int = 2,
@@ -40,16 +44,18 @@ def build_family(family: str, tokenizer, path: Path, *, seed: int, hidden: int =
 
     shape = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                 max_position_embeddings=4096, tie_word_embeddings=family == "qwen3", initializer_range=init_range,
-                 bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
+                 max_position_embeddings=4096, tie_word_embeddings=family == "qwen3",
+                 initializer_range=init_range, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
     if family == "mistral":
         shape["sliding_window"] = None
+    if family == "gemma3_text":
+        shape.update(sliding_window=24, layer_types=(["sliding_attention"] * (layers - 1) + ["full_attention"]))
     config = AutoConfig.for_model(family, **{**shape, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("bias", "q_norm.weight", "k_norm.weight")):
+            if name.endswith(("bias", "q_norm.weight", "k_norm.weight")) or "layernorm" in name and family == "gemma3_text":
                 p.add_(torch.randn_like(p) * (0.05 if name.endswith("bias") else 0.3))
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = eos_token_id

@@ -60,17 +60,26 @@ class GGUFLinear(torch.nn.Module):
 
 class GGUFEmbedding(torch.nn.Module):
     """An embedding whose rows are GGUF blocks (packed, `pack`), de-quantized as they are
-    looked up."""
+    looked up, times the scale of the embedding it replaces where that one has one
+    (Gemma's `embed_scale`, sqrt(hidden): its embedding's forward multiplies by it, and a
+    plain lookup in its place lost it)."""
 
-    def __init__(self, packed: torch.Tensor, kind: int, dim: int, rows: int):
+    def __init__(self, packed: torch.Tensor, kind: int, dim: int, rows: int, scale: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("packed", packed)
         self.kind, self.embedding_dim, self.num_embeddings = kind, dim, rows
+        self.register_buffer("embed_scale", None if scale is None else scale.detach().float(), persistent=False)
         self._dequantize = _kernels().dequantize
 
+    @classmethod
+    def replacing(cls, embedding: torch.nn.Module, packed: torch.Tensor, kind: int) -> "GGUFEmbedding":
+        rows, dim = embedding.weight.shape
+        return cls(packed, kind, dim, rows, getattr(embedding, "embed_scale", None))
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._dequantize(self.packed, self.kind, self.num_embeddings,
+        rows = self._dequantize(self.packed, self.kind, self.num_embeddings,
                                 ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+        return rows if self.embed_scale is None else rows * self.embed_scale
 
 
 HUGE_PAGE = 2 << 20
@@ -126,10 +135,17 @@ class RMSNorm(torch.nn.Module):
     seven small operations: the same formula, the sum of squares in float64."""
 
     NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")  # y = w * (x * rsqrt(mean(x^2) + eps)) all
+    # y = (x * rsqrt(mean(x^2) + eps)) * (1 + w), in float32: the same product with w's
+    # offset rounded once, as Gemma's own norm rounds it at each call
+    OFFSET_NORMS = ("Gemma3RMSNorm",)
 
     def __init__(self, norm: torch.nn.Module):
         super().__init__()
-        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+        if type(norm).__name__ in self.OFFSET_NORMS:
+            self.weight = torch.nn.Parameter(1.0 + norm.weight.detach().float(), requires_grad=False)
+            self.variance_epsilon = norm.eps
+        else:
+            self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
         self._norm = _kernels().rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,10 +155,10 @@ class RMSNorm(torch.nn.Module):
 def replace_norms(model, norm=RMSNorm) -> int:
     """Puts `norm(module)` (RMSNorm: this file's kernel) in place of the model's Llama-style
     norms; -> how many."""
-    replaced = 0
+    replaced, kinds = 0, RMSNorm.NORMS + (RMSNorm.OFFSET_NORMS if norm is RMSNorm else ())
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child).__name__ in RMSNorm.NORMS:
+            if type(child).__name__ in kinds:
                 setattr(parent, name, norm(child))
                 replaced += 1
     return replaced
@@ -161,18 +177,42 @@ class SiLU(torch.nn.Module):
         return self._silu(x.float()).to(x.dtype)
 
 
+class GELUTanh(torch.nn.Module):
+    """GELU's tanh approximation (Gemma's gelu_pytorch_tanh) in one kernel call, row-invariant
+    as SiLU is."""
+
+    def __init__(self):
+        super().__init__()
+        self._gelu = _kernels().gelu_tanh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gelu(x.float()).to(x.dtype)
+
+
+# the config's activation -> (the class names transformers gives it, ours)
+ACTIVATIONS = {"silu": (("SiLU", "SiLUActivation"), SiLU), "gelu_pytorch_tanh": (("GELUTanh",), GELUTanh)}
+
+
+def activation_name(config) -> str | None:
+    """The MLP's activation as the config names it (Gemma's `hidden_activation`, the others'
+    `hidden_act`)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
 def replace_activations(model) -> int:
-    """Puts SiLU in place of the silu of the model's MLPs (their `act_fn`, Phi-3's
-    `activation_fn`: the same module where quantize.share_fused named it both); -> how many."""
+    """Puts ours (ACTIVATIONS) in place of the activation of the model's MLPs (their
+    `act_fn`, Phi-3's `activation_fn`: the same module where quantize.share_fused named it
+    both); -> how many."""
     replaced = 0
-    if getattr(model.config, "hidden_act", None) == "silu":
+    if (entry := ACTIVATIONS.get(activation_name(model.config))) is not None:
+        names, ours = entry
         for module in model.modules():
-            silu = None
+            made = None
             for name in ("act_fn", "activation_fn"):
-                if type(getattr(module, name, None)).__name__ in ("SiLU", "SiLUActivation"):
-                    silu = silu or SiLU()
-                    setattr(module, name, silu)
-            replaced += silu is not None
+                if type(getattr(module, name, None)).__name__ in names:
+                    made = made or ours()
+                    setattr(module, name, made)
+            replaced += made is not None
     return replaced
 
 
@@ -316,7 +356,7 @@ def quantize_blocks(model, kind: int) -> int:
                 packed = made[weight.data_ptr()] = pack(blocks_of_weight(weight, kind), kind)
             rows, cols = weight.shape
             if isinstance(child, torch.nn.Embedding):
-                module = GGUFEmbedding(packed, kind, cols, rows)
+                module = GGUFEmbedding.replacing(child, packed, kind)
             else:
                 module = GGUFLinear(packed, kind, cols, getattr(child, "bias", None), rows=rows)
             setattr(parent, name, module)
@@ -357,7 +397,7 @@ def load_blocks(model, path: str) -> int:
                 continue
             kind, rows = int(tensors[file_name].tensor_type), weight.shape[0]
             if isinstance(child, torch.nn.Embedding):
-                module = GGUFEmbedding(packed, kind, weight.shape[1], rows)
+                module = GGUFEmbedding.replacing(child, packed, kind)
             else:
                 module = GGUFLinear(packed, kind, weight.shape[1], getattr(child, "bias", None), rows=rows)
             setattr(parent, child_name, module)

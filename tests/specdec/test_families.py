@@ -227,10 +227,12 @@ def test_a_phi3_with_a_partial_or_dynamic_rotary_embedding_takes_the_generic_pat
             engine.stop()
 
 
-def test_gemma3s_local_layers_attend_within_their_window_past_it_as_the_models_own_forward():
-    """Gemma 3: local (sliding-window) layers beside global ones, through the engine's
-    attention on the generic path (its layers are not the kernel's), past the window as
-    transformers' own forward. Soft-capped attention (Gemma 2) is refused."""
+@pytest.mark.parametrize("method", ["auto", "none"])
+def test_gemma3s_local_layers_attend_within_their_window_past_it_as_the_models_own_forward(method):
+    """Gemma 3: local (sliding-window) layers, with a rotary embedding of their own, beside
+    global ones, past the window as transformers' own forward: on its blocks in the layer
+    kernel (auto), and in float32 through the Python pass (none). Soft-capped attention
+    (Gemma 2) is refused."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
@@ -243,11 +245,17 @@ def test_gemma3s_local_layers_attend_within_their_window_past_it_as_the_models_o
             if "norm" not in name:
                 p.normal_(0, 0.1)
     assert modeling.max_positions(model) == 1024
+    model = quantize.quantize(model, method)
     tokens = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0]
     assert not torch.allclose(want[30:], full_attention(model, tokens)[30:], rtol=1e-3, atol=1e-3)
     got = passes_past_the_window(model, tokens, threads=None)
+    engine = Engine(model, 1 << 22)
+    try:
+        assert engine.numerics.endswith("layer-kernel" if method == "auto" else "cpu/llama"), engine.numerics
+    finally:
+        engine.stop()
     assert len(set(want.argmax(-1).tolist())) > 10  # not a degenerate model
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     capped = Gemma3ForCausalLM(Gemma3TextConfig(**{**config.to_dict(), "attn_logit_softcapping": 50.0}))

@@ -9,6 +9,8 @@ is how an operation splits its elements between threads, not how many cores run 
 its T x 1536 values between threads mid-row.)"""
 
 import contextlib
+import functools
+import math
 
 import pytest
 import torch
@@ -51,15 +53,28 @@ def target():
     return quantize.quantize(model, "gguf")
 
 
-def test_silu_rows_are_the_same_bits_alone_or_in_any_pass():
+def gelu_tanh_float64(x: torch.Tensor) -> torch.Tensor:
+    """0.5 x (1 + tanh(u)) as x sigmoid(2u), in float64: without 1 + tanh(u)'s cancellation
+    for x well below 0."""
+    x = x.double()
+    return (x * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))).float()
+
+
+@pytest.mark.parametrize("ours, exact, theirs", [
+    (ggml.SiLU, lambda x: torch.nn.functional.silu(x.double()).float(), torch.nn.functional.silu),
+    (ggml.GELUTanh, gelu_tanh_float64, functools.partial(torch.nn.functional.gelu, approximate="tanh"))],
+    ids=["silu", "gelu_tanh"])
+def test_activation_rows_are_the_same_bits_alone_or_in_any_pass(ours, exact, theirs):
     torch.manual_seed(0)
     x = torch.randn(320, 1536) * 4
-    x[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 800.0, -800.0])
-    silu = ggml.SiLU()
-    rows_alone_and_together(silu, x, range(1, 321))
-    # It is silu: within float32's rounding of torch's own.
-    torch.testing.assert_close(silu(x), torch.nn.functional.silu(x), rtol=2e-7, atol=1e-30)
-    assert torch.isnan(silu(torch.tensor([float("nan")]))).all()
+    x[0, :10] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 800.0, -800.0, 3e38, -3e38])
+    op = ours()
+    rows_alone_and_together(op, x, range(1, 321))
+    # It is the activation: float64's, rounded once; and torch's own within its float32
+    # steps' rounding (its gelu_tanh's 1 + tanh(u) is 0 well below 0, where ours is not).
+    torch.testing.assert_close(op(x), exact(x), rtol=2e-7, atol=1e-30)
+    torch.testing.assert_close(op(x), theirs(x), rtol=2e-6, atol=1e-6)
+    assert torch.isnan(op(torch.tensor([float("nan")]))).all()
 
 
 def test_the_default_targets_operations_give_a_row_the_same_bits_in_any_pass(target):

@@ -389,10 +389,14 @@ def _llama_like(model) -> bool:
     """A model whose layers compute as Llama's but for what _llama_forward takes from its
     modules: Mistral, Qwen2 (biases on q, k and v), Qwen3 (a norm on each q and k head),
     Phi-3 (q|k|v and gate|up one product each: quantize.share_fused; its residual dropout
-    nothing in eval). Sliding-window layers attend within their window (attention.window_of).
-    Rotary embeddings turn every dimension of a head, at a frequency of the position alone
-    (RotaryTable holds each position's): a partial rotary embedding, or a dynamic one
-    (frequencies that follow the longest position of a pass), takes the generic path."""
+    nothing in eval), Gemma 3 (four norms a layer, `_sandwiched`; its embedding's scale in
+    its embedding; local layers with a rotary embedding of their own; no soft-capped
+    logits, no bidirectional attention). Sliding-window layers attend within their window
+    (attention.window_of). Rotary embeddings turn every dimension of a head, at a
+    frequency of the position alone (RotaryTable holds each position's): a partial rotary
+    embedding, or a dynamic one (frequencies that follow the longest position of a pass),
+    takes the generic path."""
+    from transformers.models.gemma3 import modeling_gemma3
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
     from transformers.models.phi3 import modeling_phi3
@@ -403,13 +407,19 @@ def _llama_like(model) -> bool:
                 modeling_mistral.MistralForCausalLM: modeling_mistral.MistralDecoderLayer,
                 modeling_qwen2.Qwen2ForCausalLM: modeling_qwen2.Qwen2DecoderLayer,
                 modeling_qwen3.Qwen3ForCausalLM: modeling_qwen3.Qwen3DecoderLayer,
-                modeling_phi3.Phi3ForCausalLM: modeling_phi3.Phi3DecoderLayer}
+                modeling_phi3.Phi3ForCausalLM: modeling_phi3.Phi3DecoderLayer,
+                modeling_gemma3.Gemma3ForCausalLM: modeling_gemma3.Gemma3DecoderLayer}
+    config = model.config
     layer = families.get(type(model))
     if layer is None or not all(type(m) is layer for m in model.model.layers):
         return False
-    rope = getattr(model.config, "rope_parameters", None) or {}
-    if rope.get("partial_rotary_factor", 1.0) != 1.0 or rope.get("rope_type", "default") in ("dynamic", "longrope"):
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
         return False
+    rope = getattr(config, "rope_parameters", None) or {}
+    for each in rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]:
+        if each.get("partial_rotary_factor", 1.0) != 1.0 or each.get("rope_type", "default") in ("dynamic",
+                                                                                                "longrope"):
+            return False
     return layer is not modeling_phi3.Phi3DecoderLayer or all(
         hasattr(m.self_attn, "shared_q_k_v") and hasattr(m.mlp, "shared_gate_up") for m in model.model.layers)
 
@@ -424,10 +434,12 @@ class RotaryTable:
     one-token step computes it, and read from here by every pass. Computed per pass, a
     row's bits depended on the pass: torch's cos and sin over a long pass's T x head_dim
     values split between threads mid-row, and a piece's SIMD lanes and scalar rest round
-    differently."""
+    differently. kind: the layer type whose embedding it holds, where the model's differs
+    by layer (Gemma 3's local and global layers)."""
 
-    def __init__(self, model):
-        self.rotary = model.model.rotary_emb
+    def __init__(self, model, kind: str | None = None):
+        rotary = model.model.rotary_emb
+        self.rotary = rotary if kind is None else functools.partial(rotary, layer_type=kind)
         self.like = torch.empty(0, dtype=model.dtype, device=model.device)  # the dtype and device it computes for
         self.cos = self.sin = None  # [positions, head_dim]
 
@@ -448,15 +460,30 @@ class RotaryTable:
         self.cos, self.sin = cos, sin
 
 
-_rotary_tables: "weakref.WeakKeyDictionary[torch.nn.Module, RotaryTable]" = weakref.WeakKeyDictionary()
+_rotary_tables: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def rotary(model, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(model, positions: torch.Tensor, end: int, kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [1, T, head_dim] of positions [1, T] (all below `end`), from the model's
-    RotaryTable."""
-    if (table := _rotary_tables.get(model)) is None:
-        table = _rotary_tables[model] = RotaryTable(model)
+    RotaryTable of `kind` (rotary_kind)."""
+    tables = _rotary_tables.setdefault(model, {})
+    if (table := tables.get(kind)) is None:
+        table = tables[kind] = RotaryTable(model, kind)
     return table(positions, end)
+
+
+def rotary_kind(model, layer) -> str | None:
+    """The layer type whose rotary embedding a decoder layer takes, where the model's
+    embedding differs by layer type (Gemma 3's holds one per type: `layer_types`); None:
+    the model's one."""
+    return layer.self_attn.layer_type if hasattr(model.model.rotary_emb, "layer_types") else None
+
+
+def _sandwiched(layer) -> bool:
+    """Gemma's layer: the attention's and the MLP's outputs each normed before they are
+    added (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by
+    pre_feedforward_layernorm; Llama's post_attention_layernorm is its MLP's input norm."""
+    return hasattr(layer, "pre_feedforward_layernorm")
 
 
 def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
@@ -468,13 +495,15 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
     and q and k turn in one rotary operation."""
     inner = model.model
     h = inner.embed_tokens(ids)  # [1, T, hidden]
-    cos, sin = rotary(model, positions, plan.end)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, head_dim]
+    turns = {}  # rotary_kind -> cos, sin [1, 1, T, head_dim]
     if plan.feature_layers:
         plan.features = {}
     for index, layer in enumerate(inner.layers):
         if index in plan.feature_layers:
             plan.features[index] = h[0, plan.feature_rows]
+        if (kind := rotary_kind(model, layer)) not in turns:
+            turns[kind] = tuple(t.unsqueeze(1) for t in rotary(model, positions, plan.end, kind))
+        cos, sin = turns[kind]
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         shape = (*x.shape[:-1], -1, attn.head_dim)
@@ -500,16 +529,23 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
             k = (k * cos) + (_rotate_half(k) * sin)
         o, _ = paged_attention(attn, q, k, v, None, scaling=attn.scaling, specdec_plan=plan,
                                sliding_window=window_of(attn))
-        h = h + attn.o_proj(o.reshape(*x.shape[:-1], -1).contiguous())
-        x = layer.post_attention_layernorm(h)
+        o = attn.o_proj(o.reshape(*x.shape[:-1], -1).contiguous())
+        sandwiched = _sandwiched(layer)
+        if sandwiched:
+            h = h + layer.post_attention_layernorm(o)
+            x = layer.pre_feedforward_layernorm(h)
+        else:
+            h = h + o
+            x = layer.post_attention_layernorm(h)
         mlp = layer.mlp
         shared = getattr(mlp, "shared_gate_up", None)
         if shared is not None:
             gate_up = shared.linear(x)
             (_, gate_end), _ = shared.columns
-            h = h + mlp.down_proj(mlp.act_fn(gate_up[..., :gate_end]) * gate_up[..., gate_end:])
+            y = mlp.down_proj(mlp.act_fn(gate_up[..., :gate_end]) * gate_up[..., gate_end:])
         else:
-            h = h + mlp(x)
+            y = mlp(x)
+        h = h + (layer.post_feedforward_layernorm(y) if sandwiched else y)
     if len(inner.layers) in plan.feature_layers:
         plan.features[len(inner.layers)] = h[0, plan.feature_rows]
     return model.lm_head(inner.norm(h)[:, keep])
@@ -517,41 +553,50 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
 
 class _LayerStacks:
     """The model's decoder layers in `LlamaStack`s: all of them in one, and the runs
-    between the layers whose features a pass keeps, each built at its first use."""
+    between the layers whose features a pass keeps, each built at its first use. A layer
+    attends within a window (or none) through a rotary embedding (rotary_kind): the
+    stack's own pair of them, or where the model's layers take two, the other for the
+    layers flagged local (Gemma 3's local layers; Qwen2's windowed ones)."""
 
-    def __init__(self, model, whole, window: int | None):
+    def __init__(self, model, whole, own: tuple, local: tuple | None, flags: list[int]):
         self.model, self.count = model, len(model.model.layers)
         self.built = {(0, self.count): whole}
-        self.window = window  # every layer's (Mistral's, Phi-3's): the stack attends through one table
+        self.own, self.local, self.flags = own, local, flags  # (window, rotary kind) each
 
     @classmethod
     def of(cls, model) -> "_LayerStacks | None":
-        windows = {window_of(layer.self_attn) for layer in model.model.layers}
-        if len(windows) > 1:
-            return None  # layers that attend otherwise (Qwen's window on some): the Python pass takes each
-        whole = _layer_stack(model)
-        return None if whole is None else cls(model, whole, windows.pop())
+        keys = [(window_of(layer.self_attn), rotary_kind(model, layer)) for layer in model.model.layers]
+        distinct = list(dict.fromkeys(keys))
+        if len(distinct) > 2:
+            return None  # layers that attend otherwise still: the Python pass takes each
+        own = next((key for key in distinct if key[0] is None), distinct[0])
+        local = next((key for key in distinct if key != own), None)
+        flags = [int(key != own) for key in keys] if local else []
+        whole = _layer_stack(model, 0, None, flags)
+        return None if whole is None else cls(model, whole, own, local, flags)
 
     def get(self, start: int, end: int):
         if (stack := self.built.get((start, end))) is None:
-            stack = self.built[(start, end)] = _layer_stack(self.model, start, end)
+            stack = self.built[(start, end)] = _layer_stack(self.model, start, end, self.flags[start:end])
         return stack
 
 
-def _layer_stack(model, start: int = 0, end: int | None = None):
+def _layer_stack(model, start: int = 0, end: int | None = None, local: list[int] = ()):
     """specdec/runtime/kernels/layer_cpu.cpp's `LlamaStack` over the decoder layers [start, end)
     of a Llama-family model (`_llama_like`) on GGUF blocks (q, k and v as one product, with
-    or without biases; gate and up as one; the norms in their kernel; silu), or None where
-    a layer is otherwise: _llama_forward runs it."""
+    or without biases; gate and up as one; the norms in their kernel, two a layer or
+    Gemma's four; our silu or gelu_tanh), local: a flag a layer (_LayerStacks), or None
+    where a layer is otherwise: _llama_forward runs it."""
     from specdec.runtime import ggml
     from specdec.runtime.kernels import cpu
 
     config, layers = model.config, model.model.layers[start:end]
     norms, weights, kinds, biases, head_norms = [], [], [], [], []
-    if getattr(config, "hidden_act", None) != "silu":
+    activations = list(ggml.ACTIVATIONS)  # in the kernel's order: silu, gelu_tanh
+    if (activation := ggml.activation_name(config)) not in activations:
         return None
     first = layers[0]
-    eps = first.input_layernorm.variance_epsilon
+    eps, ours = getattr(first.input_layernorm, "variance_epsilon", None), ggml.ACTIVATIONS[activation][1]
 
     def kernel_norm(n) -> bool:
         return isinstance(n, ggml.RMSNorm) and n.weight.dtype == torch.float32 and n.variance_epsilon == eps
@@ -560,24 +605,28 @@ def _layer_stack(model, start: int = 0, end: int | None = None):
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = getattr(attn, "shared_q_k_v", None), getattr(mlp, "shared_gate_up", None)
         linears = [qkv and qkv.linear, attn.o_proj, gate_up and gate_up.linear, mlp.down_proj]
-        pair = [layer.input_layernorm, layer.post_attention_layernorm]
+        each = [layer.input_layernorm, layer.post_attention_layernorm]
+        if _sandwiched(layer):
+            each += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
         per_head = [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
         if not all(isinstance(m, ggml.GGUFLinear) for m in linears) or any(m.bias is not None for m in linears[1:]) \
-                or not all(kernel_norm(n) for n in pair + per_head) \
+                or not all(kernel_norm(n) for n in each + per_head) or not isinstance(mlp.act_fn, ours) \
                 or attn.scaling != first.self_attn.scaling or qkv.columns != first.self_attn.shared_q_k_v.columns:
             return None
-        norms += [n.weight for n in pair]
+        norms += [n.weight for n in each]
         weights += [m.packed for m in linears]
         kinds += [m.kind for m in linears]
         biases += [] if linears[0].bias is None else [linears[0].bias]
         head_norms += [n.weight for n in per_head]
-    if len(biases) not in (0, len(layers)) or len(head_norms) not in (0, 2 * len(layers)):
+    if len(biases) not in (0, len(layers)) or len(head_norms) not in (0, 2 * len(layers)) \
+            or len(norms) not in (2 * len(layers), 4 * len(layers)):
         return None  # layers that differ: the Python pass takes each as it is
     *_, (v_start, v_end) = first.self_attn.shared_q_k_v.columns
     head_dim = first.self_attn.head_dim
     sizes = [config.hidden_size, config.num_attention_heads, (v_end - v_start) // head_dim, head_dim,
              first.mlp.down_proj.in_features]
-    return cpu().LlamaStack(norms, weights, kinds, sizes, eps, first.self_attn.scaling, biases, head_norms)
+    return cpu().LlamaStack(norms, weights, kinds, sizes, eps, first.self_attn.scaling, biases, head_norms,
+                            activations.index(activation), list(local))
 
 
 def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, plan: Plan) -> torch.Tensor:
@@ -586,7 +635,11 @@ def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, pla
     the same operations on each element, so the same bits."""
     inner = model.model
     h = inner.embed_tokens(ids)[0]  # [T, hidden]
-    cos, sin = rotary(model, positions, plan.end)
+    (window, kind), local = stacks.own, []
+    cos, sin = rotary(model, positions, plan.end, kind)
+    if stacks.local is not None:
+        local_window, local_kind = stacks.local
+        local = [t[0] for t in rotary(model, positions, plan.end, local_kind)] + list(plan.table_for(local_window))
     if plan.abandoned():
         raise Abandoned  # before the first layer writes
     bounds = sorted({0, stacks.count, *plan.feature_layers})
@@ -596,7 +649,7 @@ def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, pla
         if start in plan.feature_layers:
             plan.features[start] = h[plan.feature_rows]
         h = stacks.get(start, end).forward(h, cos[0], sin[0], plan.pool.k[start:end], plan.pool.v[start:end],
-                                           plan.write_slots, *plan.table_for(stacks.window), plan.stop)
+                                           plan.write_slots, *plan.table_for(window), plan.stop, local)
         if h is None:
             raise Abandoned  # what the layers before it wrote lies past the rows' cached positions: not counted
     if stacks.count in plan.feature_layers:

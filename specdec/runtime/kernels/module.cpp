@@ -10,6 +10,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_p
                         torch::Tensor rows, torch::Tensor lengths, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu(torch::Tensor x);
+torch::Tensor gelu_tanh(torch::Tensor x);
 void define_llama_stack(pybind11::module_& m);
 
 // ATen takes a thread's count of threads from torch's process-wide setting at the thread's
@@ -34,5 +35,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("take_threads", &take_threads, "fixes this thread's torch.set_num_threads for these kernels; -> the count");
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, the sum of squares in float64 (norm_cpu.cpp)");
   m.def("silu", &silu, "x / (1 + e^-x), each value's bits wherever it lies (activation_cpu.cpp)");
+  m.def("gelu_tanh", &gelu_tanh, "GELU's tanh approximation, each value's bits wherever it lies (activation_cpu.cpp)");
   define_llama_stack(m);
 }
