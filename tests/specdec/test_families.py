@@ -212,6 +212,27 @@ def test_a_sliding_window_on_every_layer_is_attended_within_past_it_as_the_model
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
+def test_qwen2s_windows_on_some_layers_run_in_the_kernel_as_the_models_own_forward(tmp_path, smol_tokenizer):
+    """Qwen2 with its window on the layers from max_window_layers on: the other layers attend
+    everything, in the same kernel call (its local flags), at more threads than cores."""
+    build_family("qwen2", smol_tokenizer, tmp_path, seed=1, layers=3, sliding_window=24, use_sliding_window=True,
+                 max_window_layers=1)
+    model, _ = load(tmp_path)
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, 24, 24]
+    tokens = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    assert not torch.allclose(want[30:], full_attention(model, tokens)[30:], rtol=1e-3, atol=1e-3)
+    got = passes_past_the_window(model, tokens)
+    engine = Engine(model, 1 << 22)
+    try:
+        assert engine.numerics == "q8_m/float32/cpu/layer-kernel"
+    finally:
+        engine.stop()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
 def test_a_phi3_with_a_partial_or_dynamic_rotary_embedding_takes_the_generic_path(tmp_path, smol_tokenizer):
     # Phi-3's 128k models: `longrope`, whose frequencies change once a pass reaches past
     # the original context.
