@@ -415,13 +415,19 @@ def _llama_like(model) -> bool:
         return False
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
         return False
-    rope = getattr(config, "rope_parameters", None) or {}
-    for each in rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]:
-        if each.get("partial_rotary_factor", 1.0) != 1.0 or each.get("rope_type", "default") in ("dynamic",
-                                                                                                "longrope"):
-            return False
+    if not _turns_by_position(config):
+        return False
     return layer is not modeling_phi3.Phi3DecoderLayer or all(
         hasattr(m.self_attn, "shared_q_k_v") and hasattr(m.mlp, "shared_gate_up") for m in model.model.layers)
+
+
+def _turns_by_position(config) -> bool:
+    """Does each rotary embedding of the config (Gemma 3's: one per layer type) turn every
+    dimension of a head at a frequency of the position alone?"""
+    rope = getattr(config, "rope_parameters", None) or {}
+    each = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    return all(r.get("partial_rotary_factor", 1.0) == 1.0 and r.get("rope_type", "default") not in
+               ("dynamic", "longrope") for r in each)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -486,6 +492,33 @@ def _sandwiched(layer) -> bool:
     return hasattr(layer, "pre_feedforward_layernorm")
 
 
+def _turned_q_k_v(attn, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention layer's q, k (each head normed where it norms them, then turned) and v
+    of its input x [1, T, hidden] -> each [1, heads, T, head_dim]."""
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    shared = getattr(attn, "shared_q_k_v", None)
+    if shared is not None:
+        qkv = shared.linear(x)
+        (_, q_end), (_, k_end), _ = shared.columns
+        qk = qkv[..., :k_end].view(shape)  # [1, T, heads + kv_heads, head_dim]
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3's, Gemma 3's: each head normed before it turns
+            heads = q_end // attn.head_dim
+            qk = torch.cat([attn.q_norm(qk[..., :heads, :]), attn.k_norm(qk[..., heads:, :])], dim=-2)
+        qk = qk.transpose(1, 2)
+        qk = (qk * cos) + (_rotate_half(qk) * sin)
+        q, k = qk[:, :q_end // attn.head_dim], qk[:, q_end // attn.head_dim:]
+        v = qkv[..., k_end:].view(shape).transpose(1, 2)
+    else:
+        q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+        if getattr(attn, "q_norm", None) is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, heads, T, head_dim]
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q = (q * cos) + (_rotate_half(q) * sin)
+        k = (k * cos) + (_rotate_half(k) * sin)
+    return q, k, v
+
+
 def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
     """LlamaForCausalLM's forward (and its family's, `_llama_like`): its modules, and its
     operations on each element in its order (the same logits to the bit), without the
@@ -506,27 +539,7 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
         cos, sin = turns[kind]
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        shape = (*x.shape[:-1], -1, attn.head_dim)
-        shared = getattr(attn, "shared_q_k_v", None)
-        if shared is not None:
-            qkv = shared.linear(x)
-            (_, q_end), (_, k_end), _ = shared.columns
-            qk = qkv[..., :k_end].view(shape)  # [1, T, heads + kv_heads, head_dim]
-            if getattr(attn, "q_norm", None) is not None:  # Qwen3: each head normed before it turns
-                heads = q_end // attn.head_dim
-                qk = torch.cat([attn.q_norm(qk[..., :heads, :]), attn.k_norm(qk[..., heads:, :])], dim=-2)
-            qk = qk.transpose(1, 2)
-            qk = (qk * cos) + (_rotate_half(qk) * sin)
-            q, k = qk[:, :q_end // attn.head_dim], qk[:, q_end // attn.head_dim:]
-            v = qkv[..., k_end:].view(shape).transpose(1, 2)
-        else:
-            q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
-            if getattr(attn, "q_norm", None) is not None:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, heads, T, head_dim]
-            v = attn.v_proj(x).view(shape).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+        q, k, v = _turned_q_k_v(attn, x, cos, sin)
         o, _ = paged_attention(attn, q, k, v, None, scaling=attn.scaling, specdec_plan=plan,
                                sliding_window=window_of(attn))
         o = attn.o_proj(o.reshape(*x.shape[:-1], -1).contiguous())
