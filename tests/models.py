@@ -44,8 +44,8 @@ def build_family(family: str, tokenizer, path: Path, *, seed: int, hidden: int =
 
     shape = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                 max_position_embeddings=4096, tie_word_embeddings=family == "qwen3",
-                 initializer_range=init_range, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
+                 max_position_embeddings=4096, tie_word_embeddings=family == "qwen3", initializer_range=init_range,
+                 bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
     if family == "mistral":
         shape["sliding_window"] = None
     if family == "gemma3_text":
@@ -55,7 +55,8 @@ def build_family(family: str, tokenizer, path: Path, *, seed: int, hidden: int =
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("bias", "q_norm.weight", "k_norm.weight")) or "layernorm" in name and family == "gemma3_text":
+            gemma_norm = family == "gemma3_text" and "layernorm" in name  # its weights start at 0: (1 + w) = 1
+            if name.endswith(("bias", "q_norm.weight", "k_norm.weight")) or gemma_norm:
                 p.add_(torch.randn_like(p) * (0.05 if name.endswith("bias") else 0.3))
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = eos_token_id

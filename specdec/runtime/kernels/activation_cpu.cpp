@@ -34,44 +34,30 @@ inline double gelu_z(double x) { return GELU_2K * (x + GELU_A * x * x * x); }
 
 }  // namespace
 
-// x: n float32 values -> y: their gelu_tanh.
-void gelu_tanh_values(const float* x, int64_t n, float* y) {
+// x: n float32 values -> y: x / (1 + e^-z) of each, z = x (silu) or 2u (gelu_tanh): the
+// same operations in AVX2's lanes and in the scalar rest.
+template <bool GELU>
+void activate_values(const float* x, int64_t n, float* y) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256d zero = _mm256_setzero_pd(), one = _mm256_set1_pd(1.0), sign = _mm256_set1_pd(-0.0);
   const __m256d a = _mm256_set1_pd(GELU_A), k = _mm256_set1_pd(GELU_2K);
   for (; i + 4 <= n; i += 4) {
     const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
-    const __m256d cube = _mm256_mul_pd(_mm256_mul_pd(_mm256_mul_pd(a, v), v), v);
-    const __m256d z = _mm256_mul_pd(k, _mm256_add_pd(v, cube));
+    const __m256d z =
+        GELU ? _mm256_mul_pd(k, _mm256_add_pd(v, _mm256_mul_pd(_mm256_mul_pd(_mm256_mul_pd(a, v), v), v))) : v;
     const __m256d e = specdec_exp::exp_nonpositive4(_mm256_sub_pd(zero, _mm256_andnot_pd(sign, z)));
     const __m256d num = _mm256_blendv_pd(_mm256_mul_pd(v, e), v, _mm256_cmp_pd(z, zero, _CMP_GE_OQ));
     _mm_storeu_ps(y + i, _mm256_cvtpd_ps(_mm256_div_pd(num, _mm256_add_pd(one, e))));
   }
 #endif
-  for (; i < n; ++i) y[i] = over_one_plus_exp(x[i], gelu_z(x[i]));
-}
-
-// x: n float32 values -> y: their silu.
-void silu_values(const float* x, int64_t n, float* y) {
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256d zero = _mm256_setzero_pd(), one = _mm256_set1_pd(1.0);
-  const __m256d sign = _mm256_set1_pd(-0.0);
-  for (; i + 4 <= n; i += 4) {
-    const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
-    const __m256d e = specdec_exp::exp_nonpositive4(_mm256_sub_pd(zero, _mm256_andnot_pd(sign, v)));
-    const __m256d num = _mm256_blendv_pd(_mm256_mul_pd(v, e), v, _mm256_cmp_pd(v, zero, _CMP_GE_OQ));
-    _mm_storeu_ps(y + i, _mm256_cvtpd_ps(_mm256_div_pd(num, _mm256_add_pd(one, e))));
-  }
-#endif
-  for (; i < n; ++i) y[i] = over_one_plus_exp(x[i], x[i]);
+  for (; i < n; ++i) y[i] = over_one_plus_exp(x[i], GELU ? gelu_z(x[i]) : x[i]);
 }
 
 // x: rows of n float32 at a stride of `stride` values -> y: rows of n, contiguous, through
 // activation 0 (silu) or 1 (gelu_tanh); rows split between threads whole.
 void activate_rows(int64_t activation, const float* x, int64_t rows, int64_t n, int64_t stride, float* y) {
-  auto values = activation == 0 ? silu_values : gelu_tanh_values;
+  auto values = activation == 0 ? activate_values<false> : activate_values<true>;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) values(x + r * stride, n, y + r * n);
   });
