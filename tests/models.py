@@ -33,7 +33,7 @@ def build_llama(tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: i
 # a local layer (a window of 24, its own rotary embedding) before a global one (its head
 # untied: tied to a random embedding that it scales up, each token's own logit won, and
 # greedy output repeated 4 tokens).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 def build_family(family: str, tokenizer, path: Path, *, seed: int, hidden: int = 64, layers: int = 2,
@@ -48,14 +48,16 @@ def build_family(family: str, tokenizer, path: Path, *, seed: int, hidden: int =
                  bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
     if family == "mistral":
         shape["sliding_window"] = None
-    if family == "gemma3_text":
+    if family.startswith("gemma"):
         shape.update(sliding_window=24, layer_types=(["sliding_attention"] * (layers - 1) + ["full_attention"]))
+    if family == "gemma2":  # caps small enough to count at these weights' scores and logits
+        shape.update(attn_logit_softcapping=1.0, final_logit_softcapping=2.0, query_pre_attn_scalar=hidden // 4)
     config = AutoConfig.for_model(family, **{**shape, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            gemma_norm = family == "gemma3_text" and "layernorm" in name  # its weights start at 0: (1 + w) = 1
+            gemma_norm = family.startswith("gemma") and "layernorm" in name  # its weights start at 0: (1 + w) = 1
             if name.endswith(("bias", "q_norm.weight", "k_norm.weight")) or gemma_norm:
                 p.add_(torch.randn_like(p) * (0.05 if name.endswith("bias") else 0.3))
     model.generation_config.eos_token_id = eos_token_id

@@ -23,7 +23,7 @@ from specdec import model_files
 from specdec.runtime import modeling, quantize
 from specdec.runtime.engine import Engine, one_thread_outside_engines
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 def build_parser(parser=None) -> argparse.ArgumentParser:

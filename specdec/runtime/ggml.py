@@ -137,7 +137,7 @@ class RMSNorm(torch.nn.Module):
     NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")  # y = w * (x * rsqrt(mean(x^2) + eps)) all
     # y = (x * rsqrt(mean(x^2) + eps)) * (1 + w), in float32: the same product with w's
     # offset rounded once, as Gemma's own norm rounds it at each call
-    OFFSET_NORMS = ("Gemma3RMSNorm",)
+    OFFSET_NORMS = ("Gemma2RMSNorm", "Gemma3RMSNorm")
 
     def __init__(self, norm: torch.nn.Module):
         super().__init__()

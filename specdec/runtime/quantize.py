@@ -52,16 +52,34 @@ log = logging.getLogger(__name__)
 # kernels cannot be built; none elsewhere
 BLOCKS = {"q8_m": ggml.Q8_M, "q8_0": ggml.Q8_0, "q4_0": ggml.Q4_0}
 METHODS = flags.QUANTIZE
-FLOAT64_ATTENTION = "specdec_float64_sdpa"
+FLOAT64_ATTENTION = "specdec_float64"  # not "..sdpa..": transformers would check the model takes sdpa (Gemma 2 does not)
 
 
 def float64_attention(module, query, key, value, attention_mask, **kwargs):
-    """Transformers' sdpa in float64, cast back to the query's dtype."""
+    """Transformers' sdpa in float64, cast back to the query's dtype; with Gemma 2's
+    soft-capped scores, which sdpa cannot take, the engine's written-out attention."""
+    if kwargs.get("softcap"):
+        return _float64_capped(module, query, key, value, attention_mask, **kwargs), None
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.double()
     out, weights = sdpa_attention_forward(module, query.double(), key.double(), value.double(), attention_mask,
                                           **kwargs)
     return out.to(query.dtype), weights
+
+
+def _float64_capped(module, query, key, value, mask, scaling=None, softcap=None, **_) -> torch.Tensor:
+    """query [b, heads, Q, d], key, value [b, kv_heads, L, d], mask as sdpa takes it (None:
+    causal, the last Q keys the queries' own) -> [b, Q, heads, d], as sdpa's forward."""
+    from specdec.runtime.engine.attention import attend
+
+    q, k, v = query.double(), key.double(), value.double()
+    if mask is None and q.shape[2] > 1:
+        width, length = q.shape[2], k.shape[2]
+        mask = torch.ones(width, length, dtype=torch.bool, device=q.device).tril(length - width)[None, None]
+    elif mask is not None and mask.is_floating_point():
+        mask = mask == 0  # an additive mask: 0 where the query attends
+    scale = module.head_dim ** -0.5 if scaling is None else scaling
+    return attend(q, k, v, mask, scale, softcap).transpose(1, 2).contiguous().to(query.dtype)
 
 
 AttentionInterface.register(FLOAT64_ATTENTION, float64_attention)

@@ -23,14 +23,14 @@ def pools(seed=0, dim=DIM):
     return (torch.randn(SLOTS, KV_HEADS, dim, generator=draw), torch.randn(SLOTS, KV_HEADS, dim, generator=draw))
 
 
-def reference(q, k_pool, v_pool, slots, start, n):
-    """One row through transformers' float64 sdpa: its n new tokens from position
-    `start`, reading slots[:start + n] causally."""
+def reference(q, k_pool, v_pool, slots, start, n, softcap=None):
+    """One row through transformers' float64 sdpa (with a softcap, the engine's written-out
+    attention): its n new tokens from position `start`, reading slots[:start + n] causally."""
     k = k_pool[slots[:start + n]].transpose(0, 1)[None]  # [1, kv, L, d]
     v = v_pool[slots[:start + n]].transpose(0, 1)[None]
     mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
     out, _ = float64_attention(Layer(), q.transpose(0, 1)[None], k, v, mask[None, None], scaling=q.shape[-1] ** -0.5,
-                               dropout=0.0)
+                               dropout=0.0, softcap=softcap)
     return out[0]  # [n, heads, d]
 
 
@@ -42,19 +42,22 @@ def table(rows):
     return slots, token_rows, lengths
 
 
-@pytest.mark.parametrize("dim", [DIM, 48])  # 48: a head the widest path's blocks of 64 do not cover
-def test_rows_attend_as_transformers_float64_attention_does(dim):
+@pytest.mark.parametrize("dim, softcap", [(DIM, None), (48, None), (DIM, 2.0)])  # 48: a head the widest path's
+# blocks of 64 do not cover; 2.0: Gemma 2's cap of each score, small enough to count here
+def test_rows_attend_as_transformers_float64_attention_does(dim, softcap):
     k_pool, v_pool = pools(dim=dim)
     draw = torch.Generator().manual_seed(1)
     rows = [(torch.randperm(SLOTS, generator=draw)[:200], start, n) for start, n in [(0, 1), (37, 5), (150, 1), (
         0, 48), (90, 9)]]
     q = torch.randn(sum(n for _, _, n in rows), HEADS, dim, generator=draw)
-    out = cpu().attention(q, k_pool, v_pool, *table(rows), dim ** -0.5)
+    out = cpu().attention(q, k_pool, v_pool, *table(rows), dim ** -0.5, softcap or 0.0)
     offset = 0
     for slots, start, n in rows:
-        expected = reference(q[offset:offset + n], k_pool, v_pool, slots, start, n)
+        expected = reference(q[offset:offset + n], k_pool, v_pool, slots, start, n, softcap)
         assert torch.equal(out[offset:offset + n], expected), (start, n)
         offset += n
+    if softcap:  # the control: the cap counts
+        assert not torch.allclose(out, cpu().attention(q, k_pool, v_pool, *table(rows), dim ** -0.5), atol=1e-3)
 
 
 def test_a_token_gets_the_same_bits_alone_and_among_others():

@@ -102,11 +102,12 @@ class Abandoned(Exception):
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, specdec_plan=None,
-                    sliding_window=None, **kwargs):
+                    sliding_window=None, softcap=None, **kwargs):
     """query: [1, heads, T, d], key/value: [1, kv_heads, T, d] for the packed new tokens.
     Writes the new keys and values to the pool, then attends each row to its own: in a
     sliding-window layer (transformers passes its `sliding_window`), to its last that many
-    positions. The pool keeps every position of every layer."""
+    positions; with Gemma 2's `softcap`, each score capped (`attend`). The pool keeps
+    every position of every layer."""
     plan = specdec_plan
     if plan is None:
         raise RuntimeError("this model runs through specdec's Engine now: load another copy for other uses")
@@ -118,22 +119,23 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
     if plan.kernel is not None:
         table = plan.table_for(sliding_window)
-        return plan.kernel(query[0].transpose(0, 1), k_pool, v_pool, *table, scaling).unsqueeze(0), None
+        out = plan.kernel(query[0].transpose(0, 1), k_pool, v_pool, *table, scaling, softcap or 0.0)
+        return out.unsqueeze(0), None
     if plan.by_token is not None:
         if sliding_window:
             raise ValueError("static passes run Llama's layers, which attend every position")
-        return _attend_by_token(plan, query, k_pool, v_pool, scaling), None
+        return _attend_by_token(plan, query, k_pool, v_pool, scaling, softcap), None
     if len(plan.groups) == 1 and plan.groups[0].read_slots.shape[0] == 1:
         # The pass's one row (a decode step, one session's round): its tokens in order,
         # nothing to pick out or place back.
-        o = _attend(plan.groups[0], query.to(plan.dtype), k_pool, v_pool, plan.dtype, scaling, sliding_window)
+        o = _attend(plan.groups[0], query.to(plan.dtype), k_pool, v_pool, plan.dtype, scaling, sliding_window, softcap)
         return o.transpose(1, 2).to(query.dtype), None
     queries = query[0].transpose(0, 1).to(plan.dtype)  # [T, heads, d]
     out = torch.empty_like(queries)
     for g in plan.groups:
         b = g.read_slots.shape[0]
         q = queries.index_select(0, g.q_index.view(-1)).view(b, -1, *queries.shape[1:]).transpose(1, 2)
-        o = _attend(g, q, k_pool, v_pool, plan.dtype, scaling, sliding_window)
+        o = _attend(g, q, k_pool, v_pool, plan.dtype, scaling, sliding_window, softcap)
         b, heads, width, d = o.shape
         out.index_copy_(0, g.packed, o.transpose(1, 2).reshape(b * width, heads, d)[g.flat])
     return out.unsqueeze(0).to(query.dtype), None
@@ -148,7 +150,23 @@ def window_of(attn) -> int | None:
     return attn.sliding_window if hasattr(attn, "sliding_window") else sliding_window(attn.config)
 
 
-def _attend(g: Group, q, k_pool, v_pool, dtype, scaling, window: int | None = None) -> torch.Tensor:
+def attend(q, k, v, mask, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v, q: [b, heads, Q, d], k, v: [b, kv_heads, L, d], mask: None
+    or [b, 1, Q, L] (True: the query attends the key). With a softcap (Gemma 2's), each
+    score s is taken as softcap · tanh(s / softcap) first, as Gemma's eager attention
+    does; sdpa cannot, so that one is written out."""
+    if not softcap:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _attend(g: Group, q, k_pool, v_pool, dtype, scaling, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
     """q: [b, heads, Q, d] -> [b, heads, Q, d], each row attending the slots it reads (the
     last `window` of them, in a sliding-window layer)."""
     b, length = g.read_slots.shape
@@ -156,11 +174,10 @@ def _attend(g: Group, q, k_pool, v_pool, dtype, scaling, window: int | None = No
     k = k_pool.index_select(0, g.read_slots.view(-1)).view(b, length, *k_pool.shape[1:])
     v = v_pool.index_select(0, g.read_slots.view(-1)).view(b, length, *v_pool.shape[1:])
     k, v = k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)  # [b, kv_heads, L, d]
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask_for(window), scale=scaling,
-                                                            enable_gqa=True)
+    return attend(q, k, v, g.mask_for(window), scaling, softcap)
 
 
-def _attend_by_token(plan: Plan, query, k_pool, v_pool, scaling) -> torch.Tensor:
+def _attend_by_token(plan: Plan, query, k_pool, v_pool, scaling, softcap: float | None = None) -> torch.Tensor:
     """query: [1, heads, T, d] -> [1, T, heads, d], each token attending the first
     `lengths[t]` slots of its table row: shapes that depend on the pass's bucket alone."""
     read, lengths = plan.by_token  # [T, L], [T]
@@ -169,7 +186,7 @@ def _attend_by_token(plan: Plan, query, k_pool, v_pool, scaling) -> torch.Tensor
     v = v_pool.index_select(0, read.reshape(-1)).view(t, length, *v_pool.shape[1:]).transpose(1, 2).to(plan.dtype)
     q = query[0].transpose(0, 1).unsqueeze(2).to(plan.dtype)  # [T, heads, 1, d]
     mask = (torch.arange(length, device=read.device) < lengths[:, None])[:, None, None, :]  # [T, 1, 1, L]
-    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    o = attend(q, k, v, mask, scaling, softcap)
     return o[:, :, 0].unsqueeze(0).to(query.dtype)
 
 
@@ -178,8 +195,9 @@ AttentionInterface.register(ATTENTION, paged_attention)
 
 def check_supported(model) -> None:
     """The pool holds every position of every layer, and attention here is causal
-    softmax(q kᵀ)v over every earlier position or, in a sliding-window layer, over the
-    last `sliding_window` of them: refuse models that attend otherwise."""
+    softmax(q kᵀ)v (its scores soft-capped where the model caps them) over every earlier
+    position or, in a sliding-window layer, over the last `sliding_window` of them:
+    refuse models that attend otherwise."""
     from specdec.runtime.modeling import sliding_window
 
     config = model.config
@@ -190,7 +208,5 @@ def check_supported(model) -> None:
                          f"within one window, are supported (layer types {sorted(kinds)})")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"{config.model_type}: bidirectional attention is not supported")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise ValueError(f"{config.model_type}: attention with soft-capped logits is not supported")
     if not model._can_set_attn_implementation():
         raise ValueError(f"{config.model_type}: the model does not use transformers' attention interface")

@@ -389,13 +389,15 @@ def _llama_like(model) -> bool:
     """A model whose layers compute as Llama's but for what _llama_forward takes from its
     modules: Mistral, Qwen2 (biases on q, k and v), Qwen3 (a norm on each q and k head),
     Phi-3 (q|k|v and gate|up one product each: quantize.share_fused; its residual dropout
-    nothing in eval), Gemma 3 (four norms a layer, `_sandwiched`; its embedding's scale in
-    its embedding; local layers with a rotary embedding of their own; no soft-capped
-    logits, no bidirectional attention). Sliding-window layers attend within their window
+    nothing in eval), Gemma 2 and 3 (four norms a layer, `_sandwiched`; the embedding's
+    scale in the embedding; Gemma 2's soft-capped attention scores and logits, `_logits`;
+    Gemma 3's local layers with a rotary embedding of their own; no bidirectional
+    attention). Sliding-window layers attend within their window
     (attention.window_of). Rotary embeddings turn every dimension of a head, at a
     frequency of the position alone (RotaryTable holds each position's): a partial rotary
     embedding, or a dynamic one (frequencies that follow the longest position of a pass),
     takes the generic path."""
+    from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.gemma3 import modeling_gemma3
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
@@ -408,12 +410,13 @@ def _llama_like(model) -> bool:
                 modeling_qwen2.Qwen2ForCausalLM: modeling_qwen2.Qwen2DecoderLayer,
                 modeling_qwen3.Qwen3ForCausalLM: modeling_qwen3.Qwen3DecoderLayer,
                 modeling_phi3.Phi3ForCausalLM: modeling_phi3.Phi3DecoderLayer,
+                modeling_gemma2.Gemma2ForCausalLM: modeling_gemma2.Gemma2DecoderLayer,
                 modeling_gemma3.Gemma3ForCausalLM: modeling_gemma3.Gemma3DecoderLayer}
     config = model.config
     layer = families.get(type(model))
     if layer is None or not all(type(m) is layer for m in model.model.layers):
         return False
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
+    if getattr(config, "use_bidirectional_attention", False):
         return False
     if not _turns_by_position(config):
         return False
@@ -485,6 +488,11 @@ def rotary_kind(model, layer) -> str | None:
     return layer.self_attn.layer_type if hasattr(model.model.rotary_emb, "layer_types") else None
 
 
+def _softcap(attn) -> float | None:
+    """The cap of an attention layer's scores (Gemma 2's; Gemma 3's config may set one)."""
+    return getattr(attn, "attn_logit_softcapping", None)
+
+
 def _sandwiched(layer) -> bool:
     """Gemma's layer: the attention's and the MLP's outputs each normed before they are
     added (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by
@@ -541,7 +549,7 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
         x = layer.input_layernorm(h)
         q, k, v = _turned_q_k_v(attn, x, cos, sin)
         o, _ = paged_attention(attn, q, k, v, None, scaling=attn.scaling, specdec_plan=plan,
-                               sliding_window=window_of(attn))
+                               sliding_window=window_of(attn), softcap=_softcap(attn))
         o = attn.o_proj(o.reshape(*x.shape[:-1], -1).contiguous())
         sandwiched = _sandwiched(layer)
         if sandwiched:
@@ -561,7 +569,18 @@ def _llama_forward(model, ids, positions, keep, plan: Plan) -> torch.Tensor:
         h = h + (layer.post_feedforward_layernorm(y) if sandwiched else y)
     if len(inner.layers) in plan.feature_layers:
         plan.features[len(inner.layers)] = h[0, plan.feature_rows]
-    return model.lm_head(inner.norm(h)[:, keep])
+    return _logits(model, inner.norm(h)[:, keep])
+
+
+def _logits(model, h: torch.Tensor) -> torch.Tensor:
+    """The head's logits of the final norm's output h, capped where the config caps them
+    (Gemma 2's cap · tanh(logit / cap)): in float64, rounded once, so that a logit's bits
+    do not depend on where it lies in the pass (torch's tanh rounds its SIMD lanes and the
+    values left over differently)."""
+    logits = model.lm_head(h)
+    if cap := getattr(model.config, "final_logit_softcapping", None):
+        logits = (torch.tanh(logits.double() / cap) * cap).to(logits.dtype)
+    return logits
 
 
 class _LayerStacks:
@@ -598,8 +617,8 @@ def _layer_stack(model, start: int = 0, end: int | None = None, local: list[int]
     """specdec/runtime/kernels/layer_cpu.cpp's `LlamaStack` over the decoder layers [start, end)
     of a Llama-family model (`_llama_like`) on GGUF blocks (q, k and v as one product, with
     or without biases; gate and up as one; the norms in their kernel, two a layer or
-    Gemma's four; our silu or gelu_tanh), local: a flag a layer (_LayerStacks), or None
-    where a layer is otherwise: _llama_forward runs it."""
+    Gemma's four; our silu or gelu_tanh; Gemma 2's capped scores), local: a flag a layer
+    (_LayerStacks), or None where a layer is otherwise: _llama_forward runs it."""
     from specdec.runtime import ggml
     from specdec.runtime.kernels import cpu
 
@@ -624,7 +643,8 @@ def _layer_stack(model, start: int = 0, end: int | None = None, local: list[int]
         per_head = [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
         if not all(isinstance(m, ggml.GGUFLinear) for m in linears) or any(m.bias is not None for m in linears[1:]) \
                 or not all(kernel_norm(n) for n in each + per_head) or not isinstance(mlp.act_fn, ours) \
-                or attn.scaling != first.self_attn.scaling or qkv.columns != first.self_attn.shared_q_k_v.columns:
+                or attn.scaling != first.self_attn.scaling or qkv.columns != first.self_attn.shared_q_k_v.columns \
+                or _softcap(attn) != _softcap(first.self_attn):
             return None
         norms += [n.weight for n in each]
         weights += [m.packed for m in linears]
@@ -639,7 +659,7 @@ def _layer_stack(model, start: int = 0, end: int | None = None, local: list[int]
     sizes = [config.hidden_size, config.num_attention_heads, (v_end - v_start) // head_dim, head_dim,
              first.mlp.down_proj.in_features]
     return cpu().LlamaStack(norms, weights, kinds, sizes, eps, first.self_attn.scaling, biases, head_norms,
-                            activations.index(activation), list(local))
+                            activations.index(activation), list(local), _softcap(first.self_attn) or 0.0)
 
 
 def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, plan: Plan) -> torch.Tensor:
@@ -667,4 +687,4 @@ def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, pla
             raise Abandoned  # what the layers before it wrote lies past the rows' cached positions: not counted
     if stacks.count in plan.feature_layers:
         plan.features[stacks.count] = h[plan.feature_rows]
-    return model.lm_head(inner.norm(h[None])[:, keep])
+    return _logits(model, inner.norm(h[None])[:, keep])

@@ -172,10 +172,11 @@ inline bool weighted_sum2(const double* pa, const double* pb, const float* v, co
 // read and converted once for all of them, each value once for two (weighted_sum2), where
 // a walk per query read both once per query (a pass of several tokens, and the heads that
 // share one). Each query's scores, weights and sums are the same operations in the same
-// order as a walk of its own. `top`: n doubles of room.
+// order as a walk of its own. `top`: n doubles of room. softcap: 0, or each score s taken as
+// softcap * tanh(s / softcap) before the softmax (Gemma 2's attention).
 void attend_queries(const double* queries, const int64_t* lengths, int64_t n, int64_t d, const float* kp,
-                    const float* vp, const int64_t* at, double scale, double* scores, int64_t L, double* key,
-                    double* acc, double* top, float* const* outs) {
+                    const float* vp, const int64_t* at, double scale, double softcap, double* scores, int64_t L,
+                    double* key, double* acc, double* top, float* const* outs) {
   int64_t longest = 0;
   for (int64_t q = 0; q < n; ++q) longest = std::max(longest, lengths[q]);
   std::fill(top, top + n, -INFINITY);
@@ -184,7 +185,8 @@ void attend_queries(const double* queries, const int64_t* lengths, int64_t n, in
     widen(kp + at[j], key, d);
     for (int64_t q = 0; q < n; ++q) {
       if (j >= lengths[q]) continue;
-      const double s = dot(queries + q * d, key, d) * scale;
+      double s = dot(queries + q * d, key, d) * scale;
+      if (softcap > 0.0) s = std::tanh(s / softcap) * softcap;  // Gemma 2's cap, in its order
       scores[q * L + j] = s;
       top[q] = std::max(top[q], s);
     }
@@ -215,15 +217,17 @@ void attend_queries(const double* queries, const int64_t* lengths, int64_t n, in
 // q: T tokens x H heads x d float32, the pass's new tokens packed; k_pool, v_pool: slots x
 // KVH x d float32; slots: B rows of L int64, each row's pool slots in position order;
 // rows: the row of each token; lengths: how many positions each token attends (its
-// position + 1) -> out: T x H x d float32, softmax(scale * q k) v over those positions,
-// head h reading key-value head h / (H / KVH). The caller has checked the table
+// position + 1) -> out: T x H x d float32, softmax(scale * q k) v over those positions
+// (each score capped first where softcap > 0: attend_queries), head h reading key-value
+// head h / (H / KVH). The caller has checked the table
 // (check_table).
 // The work: for each run of consecutive tokens of one row and each key-value head, its
 // queries (those tokens x the heads that read it), in blocks small enough that both
 // threads get work in a one-token pass. Each query's result is computed on its own
 // arithmetic whatever its block: batch invariant by construction.
 void attend(const float* qp, int64_t T, int64_t H, int64_t d, const float* kp, const float* vp, int64_t KVH,
-            const int64_t* sp, int64_t L, const int64_t* rp, const int64_t* lp, double scale, float* op) {
+            const int64_t* sp, int64_t L, const int64_t* rp, const int64_t* lp, double scale, double softcap,
+            float* op) {
   const int64_t group = H / KVH;
   struct Block { int64_t t0, kv, first, count; };  // queries first..first+count of (t0.., kv)
   std::vector<Block> blocks;
@@ -263,8 +267,8 @@ void attend(const float* qp, int64_t T, int64_t H, int64_t d, const float* kp, c
         longest = std::max(longest, lp[t]);
       }
       for (int64_t j = 0; j < longest; ++j) at[j] = (row_slots[j] * KVH + block.kv) * d;
-      attend_queries(queries.data(), lengths.data(), block.count, d, kp, vp, at.data(), scale, scores.data(), L,
-                     key.data(), acc.data(), top.data(), outs.data());
+      attend_queries(queries.data(), lengths.data(), block.count, d, kp, vp, at.data(), scale, softcap,
+                     scores.data(), L, key.data(), acc.data(), top.data(), outs.data());
     }
   });
 }
@@ -285,9 +289,9 @@ void check_table(const torch::Tensor& slots, const torch::Tensor& rows, const to
 }
 
 // q: [T, H, d] float32; k_pool, v_pool: [slots, KVH, d] float32; slots [B, L], rows [T],
-// lengths [T] as `attend` takes them -> [T, H, d] float32.
+// lengths [T] as `attend` takes them; softcap: 0 (none) or Gemma 2's -> [T, H, d] float32.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
-                        torch::Tensor rows, torch::Tensor lengths, double scale) {
+                        torch::Tensor rows, torch::Tensor lengths, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [T, H, d] float32");
   TORCH_CHECK(k_pool.scalar_type() == torch::kFloat32 && v_pool.scalar_type() == torch::kFloat32 &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
@@ -298,10 +302,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_p
   lengths = lengths.to(torch::kLong).contiguous();
   const int64_t T = q.size(0), H = q.size(1), d = q.size(2), KVH = k_pool.size(1);
   TORCH_CHECK(k_pool.size(2) == d && H % KVH == 0, "q's heads do not match the pool's");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be 0 (none) or positive");
   check_table(slots, rows, lengths, T, k_pool.size(0));
   auto out = torch::empty({T, H, d}, q.options());
   attend(q.data_ptr<float>(), T, H, d, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), KVH,
          slots.data_ptr<int64_t>(), slots.size(1), rows.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), scale,
-         out.data_ptr<float>());
+         softcap, out.data_ptr<float>());
   return out;
 }

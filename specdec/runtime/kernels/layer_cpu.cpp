@@ -1,9 +1,9 @@
 // A Llama-family model's decoder layers on GGUF blocks, a whole pass of them in one call:
 // Llama, Mistral and Phi-3 as they are (Phi-3's checkpoint holds q|k|v and gate|up as one
 // product each, as this stack takes them), Qwen2's q, k and v biases, Qwen3's norms of each
-// q and k head; Gemma 3's four norms a layer (the attention's and the MLP's outputs normed
+// q and k head; Gemma 2's and 3's four norms a layer (the attention's and the MLP's outputs normed
 // before they are added), GELU-tanh, and local layers that attend within a window through
-// a rotary table of their own.
+// a rotary table of their own; Gemma 2's soft-capped attention scores.
 //
 // Why one call: the engine's pass of the default target ran some 25 small torch operations
 // a layer from Python (views, rotary embedding, cache writes, residual adds, the
@@ -31,7 +31,8 @@ void matmul_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
                  int64_t type, int64_t N, float* y);
 void check_packed(const torch::Tensor& w, int64_t type, int64_t K, int64_t N);
 void attend(const float* q, int64_t T, int64_t H, int64_t d, const float* k_pool, const float* v_pool, int64_t KVH,
-            const int64_t* slots, int64_t L, const int64_t* rows, const int64_t* lengths, double scale, float* out);
+            const int64_t* slots, int64_t L, const int64_t* rows, const int64_t* lengths, double scale, double softcap,
+            float* out);
 void check_table(const torch::Tensor& slots, const torch::Tensor& rows, const torch::Tensor& lengths, int64_t T,
                  int64_t S);
 void rms_norm_rows(const float* x, const float* w, int64_t n, int64_t rows, double eps, float* y);
@@ -60,7 +61,7 @@ class LlamaStack {
  public:
   LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
              std::vector<int64_t> sizes, double eps, double scale, std::vector<torch::Tensor> biases,
-             std::vector<torch::Tensor> head_norms, int64_t activation, std::vector<int64_t> local);
+             std::vector<torch::Tensor> head_norms, int64_t activation, std::vector<int64_t> local, double softcap);
   std::optional<torch::Tensor> forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                                        std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
                                        torch::Tensor write_slots, torch::Tensor slots, torch::Tensor rows,
@@ -70,7 +71,7 @@ class LlamaStack {
  private:
   std::vector<torch::Tensor> norms_, weights_, biases_, head_norms_;
   std::vector<int64_t> types_, local_;
-  double eps_, scale_;
+  double eps_, scale_, softcap_;
   int64_t layers_, hidden_, heads_, kv_heads_, d_, inter_, activation_, norms_per_layer_;
 };
 
@@ -81,14 +82,15 @@ class LlamaStack {
 // intermediate}; biases: none, or the q|k|v product's bias of each layer; head_norms:
 // none, or 2 a layer {q, k}, each [head_dim], taken by every head; activation: 0 silu, 1
 // gelu_tanh; local: none, or a flag a layer, set where it attends through the pass's local
-// table and rotary embedding (`forward`'s local) instead of its own.
+// table and rotary embedding (`forward`'s local) instead of its own; softcap: 0, or Gemma
+// 2's cap of each attention score (attention_cpu.cpp).
 LlamaStack::LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights,
                        std::vector<int64_t> types, std::vector<int64_t> sizes, double eps, double scale,
                        std::vector<torch::Tensor> biases, std::vector<torch::Tensor> head_norms,
-                       int64_t activation, std::vector<int64_t> local)
+                       int64_t activation, std::vector<int64_t> local, double softcap)
     : norms_(std::move(norms)), weights_(std::move(weights)), biases_(std::move(biases)),
       head_norms_(std::move(head_norms)), types_(std::move(types)), local_(std::move(local)), eps_(eps),
-      scale_(scale), activation_(activation) {
+      scale_(scale), softcap_(softcap), activation_(activation) {
   TORCH_CHECK(sizes.size() == 5, "sizes: hidden, heads, kv_heads, head_dim, intermediate");
   hidden_ = sizes[0], heads_ = sizes[1], kv_heads_ = sizes[2], d_ = sizes[3], inter_ = sizes[4];
   layers_ = static_cast<int64_t>(weights_.size()) / 4;
@@ -97,6 +99,7 @@ LlamaStack::LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tens
                   (norms_per_layer_ == 2 || norms_per_layer_ == 4) && norms_.size() == norms_per_layer_ * layers_,
               "a layer takes 2 or 4 norms, 4 weights and their types");
   TORCH_CHECK(activation_ == 0 || activation_ == 1, "activation: 0 silu, 1 gelu_tanh");
+  TORCH_CHECK(softcap_ >= 0.0, "softcap must be 0 (none) or positive");
   TORCH_CHECK(local_.empty() || static_cast<int64_t>(local_.size()) == layers_, "no local flags, or one a layer");
   TORCH_CHECK(heads_ % kv_heads_ == 0 && d_ % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
   const int64_t qkv = (heads_ + 2 * kv_heads_) * d_;
@@ -223,7 +226,7 @@ std::optional<torch::Tensor> LlamaStack::forward(torch::Tensor h, torch::Tensor 
       std::memcpy(vp + wp[t] * kv_cols, row + q_cols + kv_cols, kv_cols * sizeof(float));
     }
     attend(qp, T, heads_, d, kp, vp, kv_heads_, a.slots.data_ptr<int64_t>(), a.slots.size(1),
-           a.rows.data_ptr<int64_t>(), a.lengths.data_ptr<int64_t>(), scale_, op);
+           a.rows.data_ptr<int64_t>(), a.lengths.data_ptr<int64_t>(), scale_, softcap_, op);
     product(l, 1, op, T, q_cols, hidden_, yp);
     add_output(l, 1);
 
@@ -246,11 +249,11 @@ void define_llama_stack(pybind11::module_& m) {
   pybind11::class_<LlamaStack>(m, "LlamaStack", "a Llama-family model's decoder layers on GGUF blocks (layer_cpu.cpp)")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                           std::vector<int64_t>, double, double, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, int64_t, std::vector<int64_t>>(),
+                          std::vector<torch::Tensor>, int64_t, std::vector<int64_t>, double>(),
            pybind11::arg("norms"), pybind11::arg("weights"), pybind11::arg("types"), pybind11::arg("sizes"),
            pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("biases") = std::vector<torch::Tensor>(),
            pybind11::arg("head_norms") = std::vector<torch::Tensor>(), pybind11::arg("activation") = 0,
-           pybind11::arg("local") = std::vector<int64_t>())
+           pybind11::arg("local") = std::vector<int64_t>(), pybind11::arg("softcap") = 0.0)
       .def("forward", &LlamaStack::forward, "a pass through every layer; None where stop was set",
            pybind11::arg("h"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_pools"),
            pybind11::arg("v_pools"), pybind11::arg("write_slots"), pybind11::arg("slots"), pybind11::arg("rows"),

@@ -7,7 +7,7 @@ std::vector<std::string> isas();
 std::string set_isa(const std::string& name);
 torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t n, torch::Tensor ids);
 torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots,
-                        torch::Tensor rows, torch::Tensor lengths, double scale);
+                        torch::Tensor rows, torch::Tensor lengths, double scale, double softcap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu(torch::Tensor x);
 torch::Tensor gelu_tanh(torch::Tensor x);
@@ -31,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa, "makes the GGUF products take the path named; -> the one before (gguf_cpu.cpp)");
   m.def("dequantize", &dequantize, "rows of packed GGUF blocks of N rows -> float32 (gguf_cpu.cpp)");
   m.def("attention", &attention, "each new token attending its row's pool slots, in float64 (attention_cpu.cpp)",
+        pybind11::arg("q"), pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("slots"),
+        pybind11::arg("rows"), pybind11::arg("lengths"), pybind11::arg("scale"), pybind11::arg("softcap") = 0.0,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("take_threads", &take_threads, "fixes this thread's torch.set_num_threads for these kernels; -> the count");
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm, the sum of squares in float64 (norm_cpu.cpp)");
