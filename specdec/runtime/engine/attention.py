@@ -162,7 +162,8 @@ def attend(q, k, v, mask, scale: float, softcap: float | None = None) -> torch.T
     scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))  # as Gemma's
+    return torch.matmul(weights.to(v.dtype), v)
 
 
 def _attend(g: Group, q, k_pool, v_pool, dtype, scaling, window: int | None = None,
