@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 # kernels cannot be built; none elsewhere
 BLOCKS = {"q8_m": ggml.Q8_M, "q8_0": ggml.Q8_0, "q4_0": ggml.Q4_0}
 METHODS = flags.QUANTIZE
-FLOAT64_ATTENTION = "specdec_float64"  # not "..sdpa..": transformers would check the model takes sdpa (Gemma 2 does not)
+# Not named "...sdpa...": transformers would then require the model to take sdpa (Gemma 2 does not).
+FLOAT64_ATTENTION = "specdec_float64"
 
 
 def float64_attention(module, query, key, value, attention_mask, **kwargs):

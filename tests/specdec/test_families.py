@@ -248,7 +248,7 @@ def test_a_phi3_with_a_partial_or_dynamic_rotary_embedding_takes_the_generic_pat
             engine.stop()
 
 
-def capped(model, tokens: list[int]) -> torch.Tensor:
+def uncapped(model, tokens: list[int]) -> torch.Tensor:
     """The model's own forward with its caps lifted (the control: they count)."""
     config = model.config
     caps = config.attn_logit_softcapping, config.final_logit_softcapping
@@ -292,7 +292,7 @@ def test_gemmas_local_layers_and_caps_past_the_window_as_the_models_own_forward(
         want = model(torch.tensor([tokens])).logits[0]
     assert not torch.allclose(want[30:], full_attention(model, tokens)[30:], rtol=1e-3, atol=1e-3)
     if caps:
-        assert not torch.allclose(want, capped(model, tokens), rtol=1e-2, atol=1e-2)
+        assert not torch.allclose(want, uncapped(model, tokens), rtol=1e-2, atol=1e-2)
         assert want.abs().max() < 2.0  # the final cap
     got = passes_past_the_window(model, tokens)
     engine = Engine(model, 1 << 22)
