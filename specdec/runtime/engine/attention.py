@@ -122,9 +122,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         out = plan.kernel(query[0].transpose(0, 1), k_pool, v_pool, *table, scaling, softcap or 0.0)
         return out.unsqueeze(0), None
     if plan.by_token is not None:
-        if sliding_window:
-            raise ValueError("static passes run Llama's layers, which attend every position")
-        return _attend_by_token(plan, query, k_pool, v_pool, scaling, softcap), None
+        return _attend_by_token(plan, query, k_pool, v_pool, scaling, sliding_window, softcap), None
     if len(plan.groups) == 1 and plan.groups[0].read_slots.shape[0] == 1:
         # The pass's one row (a decode step, one session's round): its tokens in order,
         # nothing to pick out or place back.
@@ -178,15 +176,22 @@ def _attend(g: Group, q, k_pool, v_pool, dtype, scaling, window: int | None = No
     return attend(q, k, v, g.mask_for(window), scaling, softcap)
 
 
-def _attend_by_token(plan: Plan, query, k_pool, v_pool, scaling, softcap: float | None = None) -> torch.Tensor:
+def _attend_by_token(plan: Plan, query, k_pool, v_pool, scaling, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """query: [1, heads, T, d] -> [1, T, heads, d], each token attending the first
-    `lengths[t]` slots of its table row: shapes that depend on the pass's bucket alone."""
+    `lengths[t]` slots of its table row (the table's j-th slot holds position j), in a
+    sliding-window layer the last `window` of them: shapes that depend on the pass's
+    bucket alone."""
     read, lengths = plan.by_token  # [T, L], [T]
     t, length = read.shape
     k = k_pool.index_select(0, read.reshape(-1)).view(t, length, *k_pool.shape[1:]).transpose(1, 2).to(plan.dtype)
     v = v_pool.index_select(0, read.reshape(-1)).view(t, length, *v_pool.shape[1:]).transpose(1, 2).to(plan.dtype)
     q = query[0].transpose(0, 1).unsqueeze(2).to(plan.dtype)  # [T, heads, 1, d]
-    mask = (torch.arange(length, device=read.device) < lengths[:, None])[:, None, None, :]  # [T, 1, 1, L]
+    keys = torch.arange(length, device=read.device)
+    mask = keys < lengths[:, None]
+    if window:
+        mask &= keys >= lengths[:, None] - window
+    mask = mask[:, None, None, :]  # [T, 1, 1, L]
     o = attend(q, k, v, mask, scaling, softcap)
     return o[:, :, 0].unsqueeze(0).to(query.dtype)
 

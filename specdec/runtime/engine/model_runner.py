@@ -24,7 +24,9 @@ class ModelRunner:
         through torch.compile too; False or "off": never. invariant: N > 0, every pass runs
         as static passes of N tokens (StaticPasses), captured where `static` says."""
         model.set_attn_implementation(ATTENTION)
-        if model.device.type == "cuda" and _is_llama(model):
+        share_fused(model)
+        llama = _llama_like(model)
+        if model.device.type == "cuda" and llama:
             fuse_launches(model)
         self.model, self.device, self.pool, self.short = model, model.device, pool, short
         self.plan: Plan | None = None  # the pass running or last run
@@ -32,8 +34,9 @@ class ModelRunner:
         self.static = None
         graphs = bool(static) and static != "off"
         if graphs or invariant:
-            if not _is_llama(model):
-                raise ValueError("static passes (--cuda-graphs, --batch-invariant) run Llama-family models only")
+            if not llama:
+                raise ValueError(f"static passes (--cuda-graphs, --batch-invariant) run Llama-family models only "
+                                 f"(Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3), not {type(model).__name__}")
             from specdec.runtime.modeling import max_positions
 
             self.static = StaticPasses(model, pool, self.attention_dtype, graphs and model.device.type == "cuda",
@@ -43,8 +46,6 @@ class ModelRunner:
             elif self.static.capture:
                 self.static.capture_all()
         self.kernel = _cpu_attention(model, self.attention_dtype)
-        share_fused(model)
-        llama = _llama_like(model) if model.device.type == "cpu" else _is_llama(model)
         self.forward = _llama_forward if llama else _transformers_forward
         if self.forward is _llama_forward and self.kernel is not None and (stacks := _LayerStacks.of(model)):
             self.forward = functools.partial(_layer_kernel_forward, stacks)
@@ -302,7 +303,8 @@ class StaticPasses:
         for buffer, value in zip(self.inputs, (0, 0, self.PAD_SLOT, 1)):
             buffer[:t] = value
         self.read[:t, :l_] = self.PAD_SLOT
-        rotary(self.model, self.inputs[1][None, :t], self.lengths[-1])  # the table whole, before capture
+        for kind in {rotary_kind(self.model, layer) for layer in self.model.model.layers}:
+            rotary(self.model, self.inputs[1][None, :t], self.lengths[-1], kind)  # each table whole, before capture
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -331,21 +333,32 @@ def _static_pass(model, pool: KVPool, dtype: torch.dtype, ids, positions, writes
 
 class FusedRMSNorm(torch.nn.Module):
     """Llama's RMSNorm as torch.rms_norm: one kernel on a GPU where the module's formula
-    launches seven; it rounds as that kernel does, not necessarily as the seven do."""
+    launches seven; it rounds as that kernel does, not necessarily as the seven do.
+    Gemma's norm (x normed in float32, times 1 + w) likewise, its 1 + w rounded once."""
 
     def __init__(self, norm: torch.nn.Module):
         super().__init__()
-        self.weight, self.eps = norm.weight, norm.variance_epsilon
+        from specdec.runtime.ggml import RMSNorm
+
+        self.offset = type(norm).__name__ in RMSNorm.OFFSET_NORMS
+        if self.offset:
+            self.weight = torch.nn.Parameter(1.0 + norm.weight.detach().float(), requires_grad=False)
+            self.eps = norm.eps
+        else:
+            self.weight, self.eps = norm.weight, norm.variance_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return torch.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
         return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def fuse_launches(model) -> None:
-    """A Llama model's step on a GPU in fewer kernels (each costs its launch however little
-    it computes: a 135M model's step was 1,424 launches): q, k and v as one product, gate
-    and up as one, each norm one kernel. Every pass of the model runs through the same
-    modules, so speculation's passes and the target alone's round alike."""
+    """A Llama-family model's step on a GPU in fewer kernels (each costs its launch however
+    little it computes: a 135M model's step was 1,424 launches): q, k and v as one product
+    (with their biases, Qwen2's), gate and up as one, each norm one kernel. Every pass of
+    the model runs through the same modules, so speculation's passes and the target
+    alone's round alike."""
     from specdec.runtime.ggml import replace_norms
     from specdec.runtime.quantize import share_products
 
@@ -375,14 +388,6 @@ def _transformers_forward(model, ids, positions, keep, plan: Plan) -> torch.Tens
     if plan.feature_layers:
         plan.features = {layer: out.hidden_states[layer][0, plan.feature_rows] for layer in plan.feature_layers}
     return out.logits
-
-
-def _is_llama(model) -> bool:
-    """Llama itself: the family the GPU's fused launches and static passes have run on CUDA."""
-    from transformers.models.llama import modeling_llama
-
-    return (type(model) is modeling_llama.LlamaForCausalLM
-            and all(type(layer) is modeling_llama.LlamaDecoderLayer for layer in model.model.layers))
 
 
 def _llama_like(model) -> bool:
