@@ -68,9 +68,15 @@ def cell(args, topology: str, variant: str, prompts: list[str], warm: str) -> di
     after = [c.after_first() for c in calls]
     stats = [c.stats for c in calls]
     drafted = sum(s.draft_tokens for s in stats)
+    # The time the rounds waited on the drafter and on the verifier (a run's steps
+    # included), a token: where a token's time goes.
+    per_token = {f"{part}_ms_a_token": 1e3 * sum(getattr(s, f"{part}_seconds") for s in stats) / tokens
+                 for part in ("draft", "verify")}
     return {"tokens": [c.tokens for c in calls], "tok_s": tokens / sum(c.seconds for c in calls),
             "tok_s_after_first": sum(n for n, _ in after) / sum(s for _, s in after),
-            "drafted": drafted, "accepted": sum(s.accepted_tokens for s in stats)}
+            "drafted": drafted, "accepted": sum(s.accepted_tokens for s in stats),
+            **per_token, "lookaheads": sum(s.lookaheads for s in stats),
+            "lookahead_hits": sum(s.lookahead_hits for s in stats)}
 
 
 def over_target(pairs: list[tuple[dict, dict]]) -> dict:
@@ -86,11 +92,14 @@ def over_target(pairs: list[tuple[dict, dict]]) -> dict:
 def markdown(rows: list[dict], summary: dict, meta: dict) -> str:
     lines = [f"{meta['requests']} unseen chat prompts x {meta['max_new_tokens']} new tokens, greedy, one stream; "
              f"a fresh deployment a cell, {meta['passes']} passes (ABBA)", "",
-             "| pass | topology | variant | tok/s | tok/s after the first token | drafted | accepted |",
-             "|---|---|---|---|---|---|---|"]
+             "| pass | topology | variant | tok/s | tok/s after the first token | drafted | accepted "
+             "| waited on the drafter, ms a token | on the verifier | drafted ahead (used) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['pass']} | {r['topology']} | {r['variant']} | {r['tok_s']:.1f} | "
-                     f"{r['tok_s_after_first']:.1f} | {r['drafted']} | {r['accepted']} |")
+                     f"{r['tok_s_after_first']:.1f} | {r['drafted']} | {r['accepted']} | "
+                     f"{r['draft_ms_a_token']:.2f} | {r['verify_ms_a_token']:.2f} | "
+                     f"{r['lookaheads']} ({r['lookahead_hits']}) |")
     lines += ["", "| topology | variant | over K = 0 (median of passes) | each pass | after the first token | "
                   "same output as K = 0 |", "|---|---|---|---|---|---|"]
     for topology, by_variant in summary.items():

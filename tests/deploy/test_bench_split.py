@@ -52,7 +52,12 @@ def test_bench_split_runs_each_cell_and_the_outputs_agree(tiny_pair, tmp_path):
     assert [(r["topology"], r["variant"]) for r in report["rows"]] == [
         (t, v) for t in ("shared", "split") for v in ("defaults", "K = 0", "overlap")]
     assert all(r["tok_s"] > 0 and len(r["tokens"]) == 2 for r in report["rows"])
-    assert all(r["drafted"] == 0 for r in report["rows"] if r["variant"] == "K = 0")
+    assert all(r["drafted"] == 0 and r["draft_ms_a_token"] == 0 == r["lookaheads"]
+               for r in report["rows"] if r["variant"] == "K = 0")
+    assert all(r["verify_ms_a_token"] > 0 for r in report["rows"])
+    assert all(r["draft_ms_a_token"] > 0 for r in report["rows"] if r["drafted"])
+    assert all(r["lookaheads"] >= r["lookahead_hits"] for r in report["rows"])
+    assert all(r["lookaheads"] == 0 for r in report["rows"] if r["variant"] == "defaults")
     for topology, by_variant in report["summary"].items():
         assert {v: (a["same"], a["checked"]) for v, a in by_variant.items()} == {
             "defaults": (2, 2), "overlap": (2, 2)}, topology
