@@ -240,18 +240,24 @@ def test_a_fused_model_computes_the_models_logits():
     assert sum(isinstance(m, FusedRMSNorm) for m in ours.modules()) == 2 * 2 + 1
     assert all(hasattr(layer.self_attn, "shared_q_k_v") and hasattr(layer.mlp, "shared_gate_up")
                for layer in ours.model.layers)
+    assert_same_logits(model, ours)
+    assert quantize.share_products(ours) == 0  # fused once
+
+
+def assert_same_logits(model, ours) -> None:
+    """The fused model `ours` computes `model`'s logits, called as a module and through the
+    engine (its own forward, which takes a shared product once)."""
     ids = torch.tensor([prompts(40, seed=4, vocab=8000)[0]])
     with torch.no_grad():
         theirs, mine = model(ids).logits, ours(ids).logits
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
-    engine = Engine(ours, 64 << 20, prefix_caching=False)  # its own forward, which takes a shared product once
+    engine = Engine(ours, 64 << 20, prefix_caching=False)
     try:
         seq = engine.new_sequence()
         seq.sync(0, ids[0].tolist())
         torch.testing.assert_close(engine.forward_now(seq, 1)[0][-1], theirs[0, -1], rtol=1e-4, atol=1e-4)
     finally:
         engine.stop()
-    assert quantize.share_products(ours) == 0  # fused once
 
 
 def test_fused_batch_invariant_passes_give_a_row_the_same_bits_in_any_pass():
@@ -275,17 +281,7 @@ def test_a_fused_model_of_each_family_computes_the_models_logits(family):
     if family[0] != "phi3":  # its q|k|v and gate|up are one product already (quantize.share_fused)
         assert all(hasattr(layer.self_attn, "shared_q_k_v") and hasattr(layer.mlp, "shared_gate_up")
                    for layer in ours.model.layers)
-    ids = torch.tensor([prompts(40, seed=4, vocab=8000)[0]])
-    with torch.no_grad():
-        theirs, mine = model(ids).logits, ours(ids).logits
-    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
-    engine = Engine(ours, 64 << 20, prefix_caching=False)
-    try:
-        seq = engine.new_sequence()
-        seq.sync(0, ids[0].tolist())
-        torch.testing.assert_close(engine.forward_now(seq, 1)[0][-1], theirs[0, -1], rtol=1e-4, atol=1e-4)
-    finally:
-        engine.stop()
+    assert_same_logits(model, ours)
 
 
 def test_fused_batch_invariant_passes_of_each_family_give_a_row_the_same_bits_in_any_pass(family):
