@@ -141,12 +141,16 @@ class RMSNorm(torch.nn.Module):
 
     def __init__(self, norm: torch.nn.Module):
         super().__init__()
-        if type(norm).__name__ in self.OFFSET_NORMS:
-            self.weight = torch.nn.Parameter(1.0 + norm.weight.detach().float(), requires_grad=False)
-            self.variance_epsilon = norm.eps
-        else:
-            self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+        self.weight, self.variance_epsilon = self.weight_and_eps(norm)
         self._norm = _kernels().rms_norm
+
+    @classmethod
+    def weight_and_eps(cls, norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+        """A norm of NORMS or OFFSET_NORMS as y = w * (x * rsqrt(mean(x^2) + eps)) takes it:
+        (w, eps), Gemma's w being its 1 + w rounded once to float32."""
+        if type(norm).__name__ in cls.OFFSET_NORMS:
+            return torch.nn.Parameter(1.0 + norm.weight.detach().float(), requires_grad=False), norm.eps
+        return norm.weight, norm.variance_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x.float(), self.weight.float(), self.variance_epsilon).to(x.dtype)

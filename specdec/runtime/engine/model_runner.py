@@ -340,12 +340,8 @@ class FusedRMSNorm(torch.nn.Module):
         super().__init__()
         from specdec.runtime.ggml import RMSNorm
 
-        self.offset = type(norm).__name__ in RMSNorm.OFFSET_NORMS
-        if self.offset:
-            self.weight = torch.nn.Parameter(1.0 + norm.weight.detach().float(), requires_grad=False)
-            self.eps = norm.eps
-        else:
-            self.weight, self.eps = norm.weight, norm.variance_epsilon
+        self.offset = type(norm).__name__ in RMSNorm.OFFSET_NORMS  # normed in float32, as Gemma's
+        self.weight, self.eps = RMSNorm.weight_and_eps(norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset:
