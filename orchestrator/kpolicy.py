@@ -228,6 +228,9 @@ class FixedK:
     def run_lookup_drafts(self, checks: bool = False) -> int:
         return self.k  # under a constraint, what the request asked for (K = 0: the target alone)
 
+    def run_model_drafts(self, overlap: bool = False) -> int:
+        return 0  # the K asked for is all it runs
+
     def run_length(self, budget: int) -> int:
         """Steps of the target alone in one call, when a round drafts nothing."""
         return min(budget, RUN_MAX if self.k == 0 else 1)
@@ -380,6 +383,32 @@ class AdaptiveK:
         priced = max((k for k in range(1, self.lookup_k_max + 1) if self.lookup_speed(k, call=False) >= floor),
                      default=0)
         return max(priced, 1) if self.lookup_tested == 0 and not checks else priced
+
+    def run_model_drafts(self, overlap: bool = False) -> int:
+        """Drafts of the model to offer each pass of a run of the target alone, after the
+        drafter's guess of the token the pass in flight decides (0: none; the run gets its
+        probe, if one is due). Only with `overlap`: the deployment says its drafters have
+        cores of their own (an offer costs the verifier a message to read, beside its
+        passes). An offer is used where its guess holds (alpha), and then commits
+        expected_tokens(alpha, k) at the price of a pass of k more tokens; where it fails,
+        the pass is the usual one. What the drafter's call costs the run is what a probe
+        beside a run was measured to add to its steps (none until one has), and offers
+        must beat the pass of one token per row by min_gain. The pass's price beyond the
+        tokens seen in passes is not extrapolated: k grows one past them at a time. Greedy
+        requests only: the guesses checked against the run's tokens are their acceptance."""
+        rows = max(1.0, self.costs.rows)
+        plain = self.costs.batch_pass(rows)
+        if not overlap or not self.probes_beside_runs or self.k_max < 1 or plain is None:
+            return 0
+        cost = self.costs.probe_cost or 0.0
+        a, seen = self.alpha, max(self.costs.batch_pass.at)
+        best, best_speed = 0, (1 + self.min_gain) / max(plain, 1e-6)
+        for k in range(1, min(self.k_max, max(1, math.floor(seen - rows) + 1)) + 1):
+            seconds = a * self.costs.batch_pass(rows + k) + (1 - a) * plain + cost
+            speed = (rows - 1 + a * expected_tokens(a, k) + 1 - a) / rows / max(seconds, 1e-6)
+            if speed > best_speed:
+                best, best_speed = k, speed
+        return best
 
     def choose(self, matched: int = 0) -> int:
         """K for the next round; `matched`: the tokens a lookup match offers, 0 if none.

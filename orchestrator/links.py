@@ -70,6 +70,8 @@ class Step:
     logprobs: common_pb2.TokenLogprobs | None = None  # where asked
     # On the own token of a pass that checked lookup drafts: (those drafts, those kept).
     lookup: tuple[int, int] | None = None
+    # On the own token of a pass that checked offered drafts: (those drafts, those kept).
+    offered: tuple[int, int] | None = None
 
 
 class FeatureFeed:
@@ -196,12 +198,14 @@ class VerifierLink:
             self.stats.features_received(len(response.features.data))
 
     async def decode(self, history: list[int], max_tokens: int, stop: set[int], draft_forced: bool = False,
-                     draft_lookup: verifier_pb2.LookupRule | None = None
+                     draft_lookup: verifier_pb2.LookupRule | None = None,
+                     offers: "asyncio.Queue[verifier_pb2.DraftOffer | None] | None" = None
                      ) -> AsyncIterator[Step]:
         """The target alone after `history`: up to max_tokens tokens, each as soon as the
         verifier picks it, ending after a stop token (`draft_forced`, `draft_lookup`: the
-        drafts the verifier makes within the run; see DecodeRequest). A call that fails
-        part-way goes on from the tokens it gave."""
+        drafts the verifier makes within the run; see DecodeRequest). `offers`: drafts the
+        caller offers the run as it goes, sent as they come (None: no more). A call that
+        fails part-way goes on from the tokens it gave."""
         retry, got, kept = _Retry(self), [], 0
         while len(got) < max_tokens and not (got and got[-1] in stop):
             call = None
@@ -213,19 +217,21 @@ class VerifierLink:
                     sampling=self.params, max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop),
                     features=self.features and self.features.request(len(sent)), draft_forced=draft_forced,
                     draft_lookup=draft_lookup, **self._session_fields())
-                call = stub.Decode(request, timeout=self.deadline.timeout(self.timeout_s),
+                call = stub.Decode(_sent(request, offers), timeout=self.deadline.timeout(self.timeout_s),
                                    metadata=self.metadata + tracing.headers())
                 async for message in call:
                     got.append(message.token_id)
-                    # The drafts the verifier made within the run (draft_forced, draft_lookup).
+                    # The drafts the verifier made within the run (draft_forced, draft_lookup, offers).
                     self.stats.drafted(message.drafted + message.drafts_rejected, message.drafted)
-                    lookup = (kept + message.drafts_rejected, kept) if message.lookup_drafts else None
+                    checked = (kept + message.drafts_rejected, kept)
+                    lookup = checked if message.lookup_drafts else None
+                    offered = checked if message.offered_drafts else None
                     kept = kept + 1 if message.drafted else 0
                     self.synced = len(history) + len(got)  # it holds each token it picked
                     self._answered(message.batch_pass)
                     self._features(message)
                     yield Step(message.token_id, message.batch_pass,
-                               message.logprobs if message.HasField("logprobs") else None, lookup)
+                               message.logprobs if message.HasField("logprobs") else None, lookup, offered)
             except grpc.aio.AioRpcError as err:
                 kept = 0
                 await retry.after(err)
@@ -248,6 +254,13 @@ class VerifierLink:
                                             timeout=5, metadata=self.metadata)
         finally:
             self.pool.release(replica)
+
+
+async def _sent(request: verifier_pb2.DecodeRequest, offers: "asyncio.Queue | None"):
+    """A run's messages: its request, then each offer as it comes, until None."""
+    yield request
+    while offers is not None and (offer := await offers.get()) is not None:
+        yield verifier_pb2.DecodeRequest(offer=offer)
 
 
 # Verifier errors that say the session's replica is gone for it: unreachable, or stopping

@@ -47,6 +47,7 @@ class _Request:
     stats: Stats
     guide: grammar.Guide | None
     trace_context: object
+    overlap: bool  # the drafters have cores of their own: draft beside the verifier's passes
 
 
 async def speculate(
@@ -63,14 +64,16 @@ async def speculate(
 ) -> AsyncIterator[Commit]:
     """Yields the tokens committed by each round until max_new_tokens, an EOS token, or,
     under a constraint (`guide`), where the grammar allows no token.
-    With `overlap`, the drafter drafts the next round while the verifier checks this one.
+    With `overlap`, the drafter drafts the next round while the verifier checks this one,
+    and offers its drafts to greedy runs of the target alone where the policy prices them
+    to pay.
 
     Each round: the policy picks K (knowing whether the history holds a lookup match);
     K = 0 is a run of the target alone; otherwise propose K drafts, verify them in one
     target pass, and commit the accepted prefix and the verifier's own token. Both
     services learn the committed tokens at their next call (a lost session: a resync)."""
     policy = FixedK(k) if isinstance(k, int) else k
-    r = _Request(policy, drafter, verifier, stats, guide, trace_context)
+    r = _Request(policy, drafter, verifier, stats, guide, trace_context, overlap)
     history = list(prompt)
     produced = 0
     ahead: Drafts | None = None  # drafted for the next round, during the last one
@@ -259,6 +262,48 @@ class _Lookahead:
         await _cancel(self.task)
 
 
+class _Offering:
+    """The drafter's drafts offered to a run of the target alone as it goes (SpecDec's
+    draft-while-verifying, PEARL's pre-verify): after each committed token, unless a call
+    is still out, the drafter drafts `k` tokens after the history committed so far, and
+    the run takes them for a pass where their first ones (a guess while the pass in flight
+    decided them) are what it committed. The run never waits for them; a drafter on cores
+    of its own costs it only the pass's extra tokens where the guess held. In a greedy
+    request each offer's first draft, checked against the token the run committed there,
+    is what a round's first draft would have got: the policy's acceptance."""
+
+    def __init__(self, drafter: DrafterLink, history: list[int], k: int, policy: FixedK | AdaptiveK, stats: Stats):
+        self.drafter, self.history, self.k, self.policy, self.stats = drafter, history, k, policy, stats
+        self.queue: asyncio.Queue = asyncio.Queue()  # to the run: DraftOffer, then None
+        self.task: asyncio.Future | None = None
+        self.guesses: list[tuple[int, int]] = []  # (position, first draft) of the offers not yet checked
+
+    def committed(self) -> None:
+        """The history grew (the live list): check the offers it decided; draft again."""
+        while self.guesses and self.guesses[0][0] < len(self.history):
+            position, token = self.guesses.pop(0)
+            self.policy.observe_beside(1, int(self.history[position] == token), None)
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._draft())
+
+    async def _draft(self) -> None:
+        while True:
+            history = list(self.history)
+            drafts, qs = await self.drafter.propose(history, self.k)
+            if not drafts:
+                return
+            self.queue.put_nowait(verifier_pb2.DraftOffer(position=len(history), tokens=drafts, probs=qs))
+            self.guesses.append((len(history), drafts[0]))
+            self.stats.offers += 1
+            if len(self.history) == len(history):
+                return  # drafted after the latest history: the next token asks again
+
+    async def close(self) -> None:
+        if self.task is not None:
+            await _cancel(self.task)
+        self.queue.put_nowait(None)
+
+
 class _BesideRun:
     """A probe that needs no round: k model drafts asked for as a run of the target alone
     starts, checked against the run's tokens once it ends. In a greedy request
@@ -311,7 +356,11 @@ async def _target_alone(r: _Request, history: list[int], by_lookup: list[int], b
     measures by how much), and in a greedy request a check of each token against the
     lookup's next one (what a lookup round's first draft there would have got)."""
     policy, drafter, guide = r.policy, r.drafter, r.guide
-    probe_k = policy.beside_run()
+    # The drafter's drafts offered to the run as it goes, where the policy prices them to
+    # pay (a feature drafter's needs the target's features of the run: none); else a probe.
+    offer_k = policy.run_model_drafts(r.overlap) if drafter.drafts_by_model and r.verifier.features is None else 0
+    offering = _Offering(drafter, history, offer_k + 1, policy, r.stats) if offer_k else None
+    probe_k = 0 if offering else policy.beside_run()
     beside = _BesideRun(drafter, history, probe_k) if probe_k else None
     # Within the run, the verifier drafts (no round trip): under a constraint where the
     # policy may draft, the forced tokens; where the drafters draft by lookup and the
@@ -330,12 +379,17 @@ async def _target_alone(r: _Request, history: list[int], by_lookup: list[int], b
     check = checks and draft_lookup is None
     expected = by_lookup[:1] if check else []
     try:
-        async with contextlib.aclosing(_steps(r, budget, eos, history, beside, draft_forced, draft_lookup)) as run:
+        if offering is not None:
+            offering.committed()  # its first drafts, after the history the run starts from
+        async with contextlib.aclosing(_steps(r, budget, eos, history, beside, draft_forced, draft_lookup,
+                                              offering)) as run:
             async for step in run:
                 if expected:
                     policy.observe_beside(1, int(step.token == expected[0]), None, lookup=True)
                     r.stats.lookups_checked += 1
                 yield step
+                if offering is not None:
+                    offering.committed()
                 by_lookup = _free_drafts(drafter, guide, history, policy.lookup_k_max, forced=not draft_forced)
                 if policy.lookup_pays(len(by_lookup)):
                     r.stats.runs_cut += 1
@@ -344,18 +398,22 @@ async def _target_alone(r: _Request, history: list[int], by_lookup: list[int], b
     finally:
         if beside is not None:
             await beside.settle(history, policy, r.stats)
+        if offering is not None:
+            await offering.close()
 
 
 async def _steps(r: _Request, budget: int, eos: set[int], history: list[int], beside: _BesideRun | None,
-                 draft_forced: bool, draft_lookup: verifier_pb2.LookupRule | None) -> AsyncIterator[Step]:
+                 draft_forced: bool, draft_lookup: verifier_pb2.LookupRule | None,
+                 offering: _Offering | None = None) -> AsyncIterator[Step]:
     """Up to `policy.run_length(budget)` steps of the target alone, each yielded as it
     comes; each counts as a round without drafts. `beside`: a probe of the drafter beside
     this run (what it costs the run's steps is measured, where it answers before the run
     ends). `draft_forced`, `draft_lookup`: the verifier drafts a constraint's forced
-    tokens, and lookup matches, itself."""
+    tokens, and lookup matches, itself; `offering`: the drafter's drafts offered to the run."""
     policy = r.policy
     span = tracing.tracer.start_span("decode", context=r.trace_context)
-    steps = r.verifier.decode(list(history), policy.run_length(budget), eos, draft_forced, draft_lookup)
+    steps = r.verifier.decode(list(history), policy.run_length(budget), eos, draft_forced, draft_lookup,
+                              offering and offering.queue)
     started = last = first = time.perf_counter()
     tokens, passes = 0, []
     try:
@@ -371,6 +429,9 @@ async def _steps(r: _Request, budget: int, eos: set[int], history: list[int], be
             now = time.perf_counter()
             if step.lookup is not None:  # a pass's lookup drafts: what they got, at no drafter's cost
                 policy.observe_beside(step.lookup[0], step.lookup[1], None, lookup=True)
+            if step.offered is not None:
+                r.stats.offered_passes += 1
+                r.stats.offered_kept += step.offered[1]
             tokens += 1
             if tokens == 1:
                 first = now  # the steps after it are the run's own (the first also opens the call)
@@ -383,5 +444,7 @@ async def _steps(r: _Request, budget: int, eos: set[int], history: list[int], be
         span.set_attribute("tokens", tokens)
         span.end()
         if tokens:
-            policy.observe_run(tokens, last - started, passes, steps_s=last - first, probed=beside is not None,
+            # A run beside offers prices neither the target alone's steps nor a probe.
+            probed = beside is not None or offering is not None
+            policy.observe_run(tokens, last - started, passes, steps_s=last - first, probed=probed,
                                answered=beside is not None and beside.answered(last))

@@ -654,8 +654,9 @@ def _speculation_flags(parser) -> None:
         default=8, help="largest K the per-round choice considers for the draft model (a prompt-lookup round may "
                         "draft up to --max-speculative-tokens)")
     add(parser, "--overlap", env="SPECDEC_OVERLAP", type=bool, default=False,
-        help="draft each round's successor while the round is verified (pays when the drafters do not share "
-             "the verifier's cores)")
+        help="draft beside the verifier's passes: each round's successor while the round is verified, and "
+             "drafts offered to greedy runs of the target alone as they go (pays when the drafters do not share "
+             "the verifier's cores and their drafts pass often)")
     add(parser, "--warm-up", env="SPECDEC_WARM_UP", type=bool, default=True,
         help="before reporting ready, measure what a step of the target alone and rounds of 1 and "
              "--num-speculative-tokens drafts cost (about 40 tokens after a built-in text), so that the first "

@@ -32,6 +32,9 @@ class Stats:
     runs_cut: int = 0  # runs of the target alone stopped early for a lookup round
     probes_beside_runs: int = 0  # drafts checked against a run's tokens, not verified in a round
     lookups_checked: int = 0  # tokens checked against the lookup's next one
+    offers: int = 0  # drafter calls whose drafts were offered to runs of the target alone
+    offered_passes: int = 0  # a run's passes that checked offered drafts
+    offered_kept: int = 0  # and the drafts they kept
     feature_bytes: int = 0  # the target's features the verifier sent (a feature drafter's)
     feature_bytes_sent: int = 0  # and those sent on to drafters (a resync sends a window again)
     # Called after each round with (K asked, drafts verified, accepted, drafter call seconds
@@ -109,11 +112,13 @@ class Stats:
             lookahead_hits=self.lookahead_hits, draft_seconds=self.draft_s, verify_seconds=self.verify_s,
             mean_batch_rows=self.pass_rows / self.rounds if self.rounds else 0.0,
             verifier_moves=self.verifier_moves, feature_bytes_received=self.feature_bytes,
-            feature_bytes_sent=self.feature_bytes_sent)
+            feature_bytes_sent=self.feature_bytes_sent, run_offers=self.offers,
+            offered_accepted=self.offered_kept)
 
     def describe(self) -> str:
         return (f"{self.rounds} rounds (by drafts: {dict(sorted(self.rounds_by_k.items()))}; {self.lookup_rounds} "
                 f"drafted by lookup, {self.runs_cut} runs of the target alone cut for one, {self.probes_beside_runs} "
-                f"probes beside runs, {self.lookups_checked} lookup tokens checked), acceptance "
+                f"probes beside runs, {self.lookups_checked} lookup tokens checked, {self.offers} offers to runs: "
+                f"{self.offered_kept} drafts kept in {self.offered_passes} passes), acceptance "
                 f"{self.acceptance:.2f}, {self.resyncs} resyncs, {self.drafter_failovers} drafter failovers, "
                 f"{self.verifier_moves} verifier moves")

@@ -18,7 +18,7 @@ from specdec.sessions import SessionStore
 from specdec.validation import MAX_DRAFT_TOKENS, MAX_TOP_LOGPROBS, check_length, check_token_ids
 from specdec.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.passes import score, verify
-from verifier_service.runs import decode
+from verifier_service.runs import Offers, decode
 from verifier_service.feature_cache import FeatureCache
 
 log = logging.getLogger("verifier")
@@ -55,14 +55,15 @@ def check_lookup_rule(request: verifier_pb2.DecodeRequest) -> None:
         raise InvalidArgument("draft_lookup", "not with features (a feature drafter's run drafts nothing)")
 
 
-def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> None:
-    if not request.draft_probs:
+def check_draft_probs(probs, tokens, vocab_size: int, name: str = "draft_probs") -> None:
+    """Each draft's q (`name`), where there are any: one per draft, a distribution that
+    gives its draft some probability."""
+    if not probs:
         return
-    if len(request.draft_probs) != len(request.draft_tokens):
-        raise InvalidArgument("draft_probs", f"has {len(request.draft_probs)} entries for "
-                                             f"{len(request.draft_tokens)} draft tokens")
-    for i, (dist, token) in enumerate(zip(request.draft_probs, request.draft_tokens)):
-        field = f"draft_probs[{i}]"
+    if len(probs) != len(tokens):
+        raise InvalidArgument(name, f"has {len(probs)} entries for {len(tokens)} draft tokens")
+    for i, (dist, token) in enumerate(zip(probs, tokens)):
+        field = f"{name}[{i}]"
         if not dist.token_ids or len(dist.token_ids) != len(dist.probs):
             raise InvalidArgument(field, "needs as many probs as token_ids, at least one")
         check_token_ids(f"{field}.token_ids", dist.token_ids, vocab_size)
@@ -74,6 +75,15 @@ def check_draft_probs(request: verifier_pb2.VerifyRequest, vocab_size: int) -> N
             raise InvalidArgument(f"{field}.probs", f"must sum to 1, got {sum(dist.probs):.6f}")
         if not any(t == token and x > 0 for t, x in zip(dist.token_ids, dist.probs)):
             raise InvalidArgument(field, f"gives draft token {token} no probability")
+
+
+def check_offer(offer: verifier_pb2.DraftOffer, vocab_size: int, max_positions: int) -> None:
+    if not 1 <= offer.position < max_positions:
+        raise InvalidArgument("offer.position", f"must be in [1, {max_positions - 1}], got {offer.position}")
+    if not 1 <= len(offer.tokens) <= MAX_DRAFT_TOKENS:
+        raise InvalidArgument("offer.tokens", f"must hold 1 to {MAX_DRAFT_TOKENS} tokens, got {len(offer.tokens)}")
+    check_token_ids("offer.tokens", offer.tokens, vocab_size)
+    check_draft_probs(offer.probs, offer.tokens, vocab_size, "offer.probs")
 
 
 class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
@@ -121,7 +131,7 @@ class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.Verifi
             check_top_logprobs(request.top_logprobs)
             check_token_ids("new_tokens", request.new_tokens, self.info.vocab_size)
             check_token_ids("draft_tokens", request.draft_tokens, self.info.vocab_size)
-            check_draft_probs(request, self.info.vocab_size)
+            check_draft_probs(request.draft_probs, request.draft_tokens, self.info.vocab_size)
             if request.start == 0 and not request.new_tokens:
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
             check_length("draft_tokens", request.start + len(request.new_tokens) + len(request.draft_tokens) + 1,
@@ -159,8 +169,12 @@ class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.Verifi
         except ServiceError as err:
             await abort(context, err)
 
-    async def Decode(self, request: verifier_pb2.DecodeRequest, context):
+    async def Decode(self, requests, context):
+        request = await anext(aiter(requests), None)  # the run's; then offers alone
+        if request is None:
+            return
         logs.bind_from(context, request.session_id)
+        reader = None
         try:
             self.check_ready()
             if not 1 <= request.max_tokens <= MAX_DECODE_TOKENS:
@@ -176,6 +190,13 @@ class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.Verifi
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
             check_length("new_tokens", request.start + len(request.new_tokens) + 1, self.info)
             self.check_features(request.features, request.start + len(request.new_tokens))
+            offers = None if request.features.layers else Offers()
+            if request.HasField("offer"):
+                if offers is None:
+                    raise InvalidArgument("offer", "not with features (a feature drafter's run drafts nothing)")
+                check_offer(request.offer, self.info.vocab_size, self.info.max_positions)
+                offers.offer(request.offer)
+            reader = asyncio.ensure_future(self._offers(requests, offers))
             session = self.store.get(request.session_id, request.start)
             with tracing.server_span("verifier.Decode", context, session_id=request.session_id,
                                      new_tokens=len(request.new_tokens), max_tokens=request.max_tokens):
@@ -185,14 +206,31 @@ class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.Verifi
                     # that cancels leaves this generator at its yield): the decoding must end
                     # before another call may touch the session.
                     async with contextlib.aclosing(decode(seq, request, self.info.max_positions, guide,
-                                                          session, self.feature_cache)) as steps:
+                                                          session, self.feature_cache, offers)) as steps:
                         async for p in steps:
+                            if reader.done() and reader.exception() is not None:
+                                raise reader.exception()  # an offer refused: the run ends with its error
                             yield verifier_pb2.DecodeResponse(
                                 token_id=p.token, batch_pass=batch_pass(p.batch_pass), features=p.features,
                                 drafted=p.drafted, drafts_rejected=p.rejected, logprobs=p.logprobs,
-                                lookup_drafts=p.by_lookup)
+                                lookup_drafts=p.by_lookup, offered_drafts=p.offered)
         except ServiceError as err:
             await abort(context, err)
+        finally:
+            if reader is not None:
+                reader.cancel()
+                if reader.done() and not reader.cancelled():
+                    reader.exception()  # retrieved: a run that ended first has no use for it
+
+    async def _offers(self, requests, offers: Offers | None) -> None:
+        """The offers a run's caller sends after its first message, each replacing the last."""
+        async for message in requests:
+            if message != verifier_pb2.DecodeRequest(offer=message.offer):
+                raise InvalidArgument("offer", "a message after a run's first carries an offer alone")
+            if offers is None:
+                raise InvalidArgument("offer", "not with features (a feature drafter's run drafts nothing)")
+            check_offer(message.offer, self.info.vocab_size, self.info.max_positions)
+            offers.offer(message.offer)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -76,7 +76,8 @@ def cell(args, topology: str, variant: str, prompts: list[str], warm: str) -> di
             "tok_s_after_first": sum(n for n, _ in after) / sum(s for _, s in after),
             "drafted": drafted, "accepted": sum(s.accepted_tokens for s in stats),
             **per_token, "lookaheads": sum(s.lookaheads for s in stats),
-            "lookahead_hits": sum(s.lookahead_hits for s in stats)}
+            "lookahead_hits": sum(s.lookahead_hits for s in stats),
+            "offers": sum(s.run_offers for s in stats), "offered_accepted": sum(s.offered_accepted for s in stats)}
 
 
 def over_target(pairs: list[tuple[dict, dict]]) -> dict:
@@ -93,13 +94,13 @@ def markdown(rows: list[dict], summary: dict, meta: dict) -> str:
     lines = [f"{meta['requests']} unseen chat prompts x {meta['max_new_tokens']} new tokens, greedy, one stream; "
              f"a fresh deployment a cell, {meta['passes']} passes (ABBA)", "",
              "| pass | topology | variant | tok/s | tok/s after the first token | drafted | accepted "
-             "| waited on the drafter, ms a token | on the verifier | drafted ahead (used) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| waited on the drafter, ms a token | on the verifier | drafted ahead (used) | offers to runs "
+             "(drafts kept) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['pass']} | {r['topology']} | {r['variant']} | {r['tok_s']:.1f} | "
                      f"{r['tok_s_after_first']:.1f} | {r['drafted']} | {r['accepted']} | "
                      f"{r['draft_ms_a_token']:.2f} | {r['verify_ms_a_token']:.2f} | "
-                     f"{r['lookaheads']} ({r['lookahead_hits']}) |")
+                     f"{r['lookaheads']} ({r['lookahead_hits']}) | {r['offers']} ({r['offered_accepted']}) |")
     lines += ["", "| topology | variant | over K = 0 (median of passes) | each pass | after the first token | "
                   "same output as K = 0 |", "|---|---|---|---|---|---|"]
     for topology, by_variant in summary.items():

@@ -55,7 +55,10 @@ def test_bench_split_runs_each_cell_and_the_outputs_agree(tiny_pair, tmp_path):
     assert all(r["drafted"] == 0 and r["draft_ms_a_token"] == 0 == r["lookaheads"]
                for r in report["rows"] if r["variant"] == "K = 0")
     assert all(r["verify_ms_a_token"] > 0 for r in report["rows"])
-    assert all(r["draft_ms_a_token"] > 0 for r in report["rows"] if r["drafted"])
+    # Rounds that drafted waited on the drafter; drafts offered to runs (--overlap alone) did not.
+    assert all(r["draft_ms_a_token"] > 0 for r in report["rows"] if r["drafted"] and not r["offers"])
+    assert all(r["offers"] == 0 for r in report["rows"] if r["variant"] != "overlap")
+    assert all(r["offers"] >= 0 <= r["offered_accepted"] <= r["accepted"] for r in report["rows"])
     assert all(r["lookaheads"] >= r["lookahead_hits"] for r in report["rows"])
     assert all(r["lookaheads"] == 0 for r in report["rows"] if r["variant"] == "defaults")
     for topology, by_variant in report["summary"].items():

@@ -91,6 +91,17 @@ def test_verifier_names_the_field(tiny_cluster, code, field, message):
     expect_error(lambda: stub.Verify(message, timeout=10), code, field)
 
 
+RUN = "bad-offer-run"  # a run refused an offer after it started
+
+
+def Offer(position=2, tokens=(1, 2), probs=()):
+    return verifier_pb2.DraftOffer(position=position, tokens=tokens, probs=probs)
+
+
+def Q(token):
+    return common_pb2.SparseDistribution(token_ids=[token], probs=[1.0])
+
+
 def Decode(session_id="bad-input", start=0, new_tokens=(1, 2), max_tokens=4, **kw):
     kw.setdefault("sampling", GREEDY)
     return verifier_pb2.DecodeRequest(session_id=session_id, start=start, new_tokens=new_tokens,
@@ -118,10 +129,28 @@ def Decode(session_id="bad-input", start=0, new_tokens=(1, 2), max_tokens=4, **k
     (grpc.StatusCode.INVALID_ARGUMENT, "draft_lookup",
      Decode(draft_lookup=verifier_pb2.LookupRule(min_match=1, max_match=4, max_drafts=4),
             features=verifier_pb2.FeatureRequest(layers=[1]))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer.position", Decode(offer=Offer(position=0))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer.position", Decode(offer=Offer(position=100000))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer.tokens", Decode(offer=Offer(tokens=[]))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer.tokens", Decode(offer=Offer(tokens=[1] * 65))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer.tokens[1]", Decode(offer=Offer(tokens=[1, VOCAB]))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer.probs", Decode(offer=Offer(probs=[Q(1)]))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer.probs[0]", Decode(offer=Offer(tokens=[1], probs=[Q(2)]))),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer", Decode(offer=Offer(), features=verifier_pb2.FeatureRequest(layers=[1]))),
+    # After the first message: an offer alone, and a valid one.
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer", [Decode(session_id=RUN, max_tokens=64), Decode(offer=Offer())]),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer.tokens[0]",
+     [Decode(session_id=RUN, max_tokens=64), verifier_pb2.DecodeRequest(offer=Offer(tokens=[-1]))]),
 ])
 def test_verifier_decode_names_the_field(tiny_cluster, code, field, message):
     stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])
-    expect_error(lambda: stub.Decode(message, timeout=10), code, field)
+    messages = message if isinstance(message, list) else [message]
+    expect_error(lambda: list(stub.Decode(iter(messages), timeout=10)), code, field)
+    if isinstance(message, list):
+        # A bad offer ends a run that had started: the session keeps what the run committed.
+        assert RUN in tiny_cluster.sessions(tiny_cluster.roles["verifier"])
+        stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=RUN), timeout=10)
+
 
 
 def Propose(session_id="bad-input", start=0, new_tokens=(1, 2), k=2, **kw):

@@ -30,9 +30,9 @@ def test_decode_gives_the_tokens_of_verify_without_drafts(tiny_cluster, params):
     stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])
     want = stepwise(stub, f"steps-{params.seed}", PROMPT, 24, params)
     got, rows = [], []
-    for message in stub.Decode(verifier_pb2.DecodeRequest(session_id=f"decode-{params.seed}", start=0,
-                                                          new_tokens=PROMPT, sampling=params, max_tokens=24),
-                               timeout=60):
+    for message in stub.Decode(iter([verifier_pb2.DecodeRequest(
+            session_id=f"decode-{params.seed}", start=0, new_tokens=PROMPT, sampling=params, max_tokens=24)]),
+            timeout=60):
         got.append(message.token_id)
         rows.append(message.batch_pass.rows)
     assert got == want and len(set(want)) > 3  # not a degenerate repeat
@@ -40,9 +40,9 @@ def test_decode_gives_the_tokens_of_verify_without_drafts(tiny_cluster, params):
     # It stops after a stop token, which it sends.
     stop = want[5]
     first = want.index(stop)
-    stopped = [m.token_id for m in stub.Decode(verifier_pb2.DecodeRequest(
+    stopped = [m.token_id for m in stub.Decode(iter([verifier_pb2.DecodeRequest(
         session_id=f"decode-{params.seed}", start=len(PROMPT), sampling=params, max_tokens=24,
-        stop_token_ids=[stop]), timeout=60)]
+        stop_token_ids=[stop])]), timeout=60)]
     assert stopped == want[:first + 1]
     stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=f"decode-{params.seed}"), timeout=10)
 
@@ -51,14 +51,15 @@ def test_a_decode_read_in_part_leaves_a_session_to_go_on_from(tiny_cluster):
     params = PARAMS[0]
     stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])
     want = stepwise(stub, "steps-part", PROMPT, 20, params)
-    call = stub.Decode(verifier_pb2.DecodeRequest(session_id="part", start=0, new_tokens=PROMPT, sampling=params,
-                                                  max_tokens=20), timeout=60)
+    call = stub.Decode(iter([verifier_pb2.DecodeRequest(
+        session_id="part", start=0, new_tokens=PROMPT, sampling=params,
+        max_tokens=20)]), timeout=60)
     read = [next(call).token_id for _ in range(4)]
     call.cancel()
     assert read == want[:4]
     # The caller says what it holds: the prompt and the 4 tokens it read.
-    rest = [m.token_id for m in stub.Decode(verifier_pb2.DecodeRequest(
-        session_id="part", start=len(PROMPT) + 4, sampling=params, max_tokens=16), timeout=60)]
+    rest = [m.token_id for m in stub.Decode(iter([verifier_pb2.DecodeRequest(
+        session_id="part", start=len(PROMPT) + 4, sampling=params, max_tokens=16)]), timeout=60)]
     assert rest == want[4:]
     stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id="part"), timeout=10)
     assert "part" not in tiny_cluster.sessions(tiny_cluster.roles["verifier"])
@@ -75,8 +76,9 @@ def test_a_cancelled_decode_is_over_before_the_next_call_on_its_session(tiny_clu
     for attempt in range(30):
         session = f"cut-{attempt}"
         read = 2 + attempt % 5
-        call = stub.Decode(verifier_pb2.DecodeRequest(session_id=session, start=0, new_tokens=PROMPT,
-                                                      sampling=params, max_tokens=200), timeout=60)
+        call = stub.Decode(iter([verifier_pb2.DecodeRequest(
+            session_id=session, start=0, new_tokens=PROMPT,
+            sampling=params, max_tokens=200)]), timeout=60)
         got = [next(call).token_id for _ in range(read)]
         call.cancel()
         start = len(PROMPT) + read

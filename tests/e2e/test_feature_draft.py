@@ -105,9 +105,9 @@ def test_a_prompt_shared_with_an_earlier_one_takes_its_features_with_its_keys_an
                                                    features=asked, sampling=GREEDY), timeout=30)
     again = stub.Verify(verifier_pb2.VerifyRequest(session_id="cache-b", start=0, new_tokens=prompt,
                                                    features=asked, sampling=GREEDY), timeout=30)
-    run = next(iter(stub.Decode(verifier_pb2.DecodeRequest(session_id="cache-c", start=0, new_tokens=prompt,
-                                                           features=asked, sampling=GREEDY, max_tokens=1),
-                                timeout=30)))
+    run = next(iter(stub.Decode(iter([verifier_pb2.DecodeRequest(
+        session_id="cache-c", start=0, new_tokens=prompt,
+        features=asked, sampling=GREEDY, max_tokens=1)]), timeout=30)))
     assert first.batch_pass.tokens == len(prompt)
     # Blocks of 16: [0, 32) came from the caches; 44 is computed for its logits.
     assert again.batch_pass.tokens == run.batch_pass.tokens == len(prompt) - 32
@@ -126,8 +126,9 @@ def test_a_chats_next_turn_takes_the_features_of_the_answer_before(deployment):
     stub = deployment.verifier_stub(deployment.roles["verifier"])
     prompt = [(7907 * i) % 49000 + 23 for i in range(45)]  # no other test's
     asked = verifier_pb2.FeatureRequest(layers=[2, 15, 27], first_position=0)
-    run = list(stub.Decode(verifier_pb2.DecodeRequest(session_id="turn-1", start=0, new_tokens=prompt,
-                                                      features=asked, sampling=GREEDY, max_tokens=40), timeout=60))
+    run = list(stub.Decode(iter([verifier_pb2.DecodeRequest(
+        session_id="turn-1", start=0, new_tokens=prompt,
+        features=asked, sampling=GREEDY, max_tokens=40)]), timeout=60))
     answer = [m.token_id for m in run]
     sent = b"".join(m.features.data for m in run)  # positions [0, 45 + len(answer) - 1): the last is not computed
     turn = prompt + answer + [(7907 * i) % 49000 + 29 for i in range(10)]

@@ -12,6 +12,7 @@ from scipy import stats
 from cluster import Cluster, drafter, generate, orchestrator, pb, verifier
 from specdec import sampling
 from specdec.api.common.v1 import common_pb2
+from specdec.api.verifier.v1 import verifier_pb2
 
 PROMPT = [1, 2, 3]
 EOS = 0  # the micro tokenizer's end-of-sequence token
@@ -36,7 +37,7 @@ def micro_cluster(micro_pair, micro_head):
     with_hybrid = orchestrator(v, [hybrid], target_dir, "orchestrator-hybrid")
     with_head = orchestrator(v, [head], target_dir, "orchestrator-feature")
     cluster.start(o, overlapping, with_hybrid, with_head)
-    cluster.roles = {"plain": o, "overlap": overlapping, "hybrid": with_hybrid, "feature": with_head}
+    cluster.roles = {"plain": o, "overlap": overlapping, "hybrid": with_hybrid, "feature": with_head, "verifier": v}
     yield cluster
     cluster.close()
 
@@ -158,6 +159,57 @@ def test_feature_drafter_distribution_matches_target(micro_cluster, micro_pair):
     results = check_distribution(micro_cluster.orchestrator_stub(micro_cluster.roles["feature"]), micro_pair[2],
                                  params, depth=4, k=2)
     assert sum(s.feature_bytes_received for s in results) > 0 and sum(s.feature_bytes_sent for s in results) > 0
+
+
+@pytest.mark.parametrize("stated", ["drawn", "uniform"])
+def test_drafts_offered_to_a_run_keep_the_targets_distribution(micro_cluster, micro_pair, stated):
+    """A run of the target alone (Decode) offered, in its first message, a draft for its
+    second token, sampled from the draft model after a guess of the first: the second pass
+    checks it by the rejection rule with its q, and the three tokens keep the target's
+    distribution (the rule holds whatever q a draft was drawn from: the guess's part, which
+    picks the offers a pass may use, is checked greedy in tests/specdec/test_engine.py).
+    The control: the same drafts offered with a q other than the one they were drawn from
+    (uniform) give another distribution, which the same test rejects."""
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(micro_pair[1], dtype=torch.float32)
+    params = common_pb2.SamplingParams(temperature=1.0, top_p=1.0)
+    stub = micro_cluster.verifier_stub(micro_cluster.roles["verifier"])
+
+    def q_after(tokens):
+        with torch.no_grad():
+            q = torch.softmax(draft(torch.tensor([tokens])).logits[0, -1].double(), -1).numpy()
+        return q / q.sum()
+
+    first = q_after(PROMPT)
+    after = {g: q_after(PROMPT + [g]) for g in range(len(first))}
+
+    def one(seed):
+        rng = np.random.default_rng(seed)
+        q = after[int(rng.choice(len(first), p=first))]
+        drafted = int(rng.choice(len(q), p=q))
+        told = q if stated == "drawn" else np.full(len(q), 1 / len(q))
+        request = verifier_pb2.DecodeRequest(
+            session_id=f"offers-{stated}-{seed}", start=0, new_tokens=PROMPT, max_tokens=3, stop_token_ids=[EOS],
+            sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0, seed=seed),
+            offer=verifier_pb2.DraftOffer(position=len(PROMPT) + 1, tokens=[drafted], probs=[
+                common_pb2.SparseDistribution(token_ids=range(len(told)), probs=told.tolist())]))
+        try:
+            messages = list(stub.Decode(iter([request]), timeout=30))
+        finally:
+            stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=request.session_id), timeout=10)
+        # A pass's own token says its drafts were offered; a kept draft that ends the output is the last.
+        return tuple(m.token_id for m in messages), any(m.offered_drafts or m.drafted for m in messages)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(SAMPLES)))
+    counts: dict[tuple, int] = {}
+    for tokens, _ in results:
+        counts[tokens] = counts.get(tokens, 0) + 1
+    # Every output that did not end at its first token checked its offered draft (only offers draft here).
+    assert sum(n for _, n in results) == sum(1 for tokens, _ in results if tokens[0] != EOS)
+    p = chi_square_p(counts, exact_outcomes(micro_pair[2], params, depth=3))
+    assert p > 1e-3 if stated == "drawn" else p < 1e-3, p
 
 
 @pytest.mark.parametrize("role", ["plain", "overlap", "hybrid", "feature"])

@@ -573,3 +573,31 @@ def test_a_request_that_cannot_check_its_matches_tries_one_lookup_draft_a_pass_u
         assert request.run_lookup_drafts(checks) == first
         request.observe_beside(1, 0, None, lookup=True)
         assert request.run_lookup_drafts(checks) == 0
+
+
+def offering_policy(probe_cost: float | None, accepted: float, greedy: bool = True) -> AdaptiveK:
+    """A policy whose deployment measured the target's passes of 1 to 3 tokens (7, 8.1 and
+    9.8 ms, the default target's on one core) and a probe beside a run costing probe_cost,
+    and whose first drafts passed `accepted` of the time."""
+    costs = RoundCosts(alpha_prior=accepted)
+    for tokens, seconds in ((1, 0.0070), (2, 0.0081), (3, 0.0098)):
+        costs.batch_pass.add(tokens, seconds)
+    costs.probe_cost = probe_cost
+    return AdaptiveK(costs, k_max=4, k_start=2, seed=0, probes_beside_runs=greedy)
+
+
+def test_drafts_are_offered_to_runs_where_they_pay_beside_them():
+    """With --overlap, a drafter on cores of its own (a probe costs the run nothing, or
+    none measured yet) whose first drafts pass 55% of the time: offered drafts pay (a pass
+    of one token more where the guess held); a drafter whose probes cost the run 2 ms, or
+    whose drafts rarely pass, offers none; nor does a sampled request, nor any without
+    --overlap."""
+    assert offering_policy(0.0, 0.55).run_model_drafts(overlap=True) >= 1
+    assert offering_policy(None, 0.55).run_model_drafts(overlap=True) >= 1
+    assert offering_policy(0.002, 0.55).run_model_drafts(overlap=True) == 0
+    assert offering_policy(0.0, 0.1).run_model_drafts(overlap=True) == 0
+    assert offering_policy(0.0, 0.55, greedy=False).run_model_drafts(overlap=True) == 0
+    assert offering_policy(0.0, 0.55).run_model_drafts() == 0
+    # The pass's price is not extrapolated past the tokens passes have had: at most one more.
+    assert offering_policy(0.0, 0.95).run_model_drafts(overlap=True) <= 3
+    assert FixedK(0).run_model_drafts(overlap=True) == 0

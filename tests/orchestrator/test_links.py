@@ -179,11 +179,11 @@ class FakeDecode:
     def __init__(self, *outcomes):
         self.outcomes, self.requests, self.calls = list(outcomes), [], []
 
-    def Decode(self, request, timeout=None, metadata=None):
-        self.requests.append(request)
+    def Decode(self, requests, timeout=None, metadata=None):
         tokens, err = self.outcomes.pop(0)
 
         async def stream():
+            self.requests.append(await anext(requests))  # the run's; the offers after it are not read
             for token in tokens:  # a token id, or the whole message
                 yield token if isinstance(token, verifier_pb2.DecodeResponse) else verifier_pb2.DecodeResponse(
                     token_id=token)

@@ -10,6 +10,7 @@ import pytest
 from orchestrator.links import Step, Verdict
 from orchestrator.rounds import speculate
 from orchestrator.stats import Stats
+from verifier_service.runs import Offers
 
 VOCAB = 50
 
@@ -49,8 +50,11 @@ class FakeDrafter:
 
 
 class FakeVerifier:
+    features = None
+
     def __init__(self, drafter: FakeDrafter):
         self.drafter = drafter
+        self.offered_passes = 0  # passes that checked offered drafts
 
     async def verify(self, history, drafts, qs):
         await asyncio.sleep(0)
@@ -61,12 +65,30 @@ class FakeVerifier:
             accepted += 1
         return Verdict(accepted, target_next(history + drafts[:accepted]), None)
 
-    async def decode(self, history, max_tokens, stop, draft_forced=False, draft_lookup=None):
-        history = list(history)
-        for _ in range(max_tokens):
+    async def decode(self, history, max_tokens, stop, draft_forced=False, draft_lookup=None, offers=None):
+        """A run; with `offers`, each pass checks the latest offer's drafts after the committed
+        history (the verifier's own rule, runs.Offers), as the real run does."""
+        history, end, latest = list(history), len(history) + max_tokens, Offers()
+        while len(history) < end:
             await asyncio.sleep(0)
+            while offers is not None and not offers.empty():
+                if (offer := offers.get_nowait()) is not None:
+                    latest.offer(offer)
+            drafts, _ = latest.after(history, len(history), [])
+            drafts = drafts[:end - len(history) - 1]
+            if drafts:
+                assert drafts == self.drafter.drafted_for[tuple(history)][:len(drafts)], "drafts of another history"
+                self.offered_passes += 1
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == target_next(history + drafts[:accepted]):
+                accepted += 1
+            for token in drafts[:accepted]:
+                history.append(token)
+                yield Step(token, None)
+                if token in stop:
+                    return
             history.append(target_next(history))
-            yield Step(history[-1], None)
+            yield Step(history[-1], None, offered=(len(drafts), accepted) if drafts else None)
             if history[-1] in stop:
                 return
 
@@ -77,8 +99,9 @@ class Cycle:
     probes_beside_runs = False
     forced_in_rounds = False
 
-    def __init__(self, ks, beside=0, run=None):
+    def __init__(self, ks, beside=0, run=None, offer=0):
         self.ks, self.round, self.k_max = ks, 0, max(ks)
+        self.offer = offer  # model drafts offered to each pass of a run
         self.runs = []  # tokens of each run of the target alone
         self.probed = []  # and whether a probe went beside it
         self.answered = []  # and answered before the run ended
@@ -105,6 +128,9 @@ class Cycle:
 
     def beside_run(self):
         return self.beside
+
+    def run_model_drafts(self, overlap=False):
+        return self.offer
 
     def observe_run(self, tokens, seconds, passes, steps_s=None, probed=False, answered=False):
         assert 0 <= steps_s <= seconds  # the steps after the first token
@@ -331,3 +357,41 @@ def test_a_model_round_at_a_match_asks_the_drafter_and_checks_the_match_for_free
     assert stats.lookup_rounds == 0 and drafter.calls == stats.rounds - stats.rounds_by_k.get(0, 0) > 0
     assert stats.lookups_checked == len(policy.besides) > 0
     assert {hit for _, hit, _ in policy.besides} == {0, 1}  # the match right after an even history, wrong after an odd one
+
+
+def test_drafts_offered_to_runs_keep_the_output_the_targets():
+    """The drafter drafts beside a run, after each committed token; a pass uses the latest
+    offer's drafts only after the history they were drafted for (the fake verifier checks
+    it), and each offer's first draft, checked against the token committed there, is what
+    the policy learns (what a round's first draft would have got)."""
+    prompt = [3, 1, 4, 1, 5]
+    policy = Cycle([0], run=8, offer=2)
+    drafter, stats = FakeDrafter(), Stats()
+    verifier = FakeVerifier(drafter)
+
+    async def go():
+        out = []
+        async for commit in speculate(prompt, 80, policy, set(), drafter, verifier, stats):
+            out.extend(commit.tokens)
+        return out
+
+    out = asyncio.run(go())
+    assert out == reference(prompt, 80)
+    history = prompt + out
+    assert stats.offered_passes == verifier.offered_passes > 0
+    assert 0 < stats.offered_kept < 2 * stats.offered_passes
+    # A call still out when its run ends is cancelled.
+    assert stats.offers <= drafter.calls <= stats.offers + len(policy.runs) and stats.probes_beside_runs == 0
+    # Every offer drafted 3 (2 and its guess); each first draft checked once its position was committed.
+    checked = [(p, t) for p, t in ((len(h), d[0]) for h, d in drafter.drafted_for.items() if len(d) == 3)
+               if p < len(history)]
+    assert sorted(policy.besides) == sorted((1, int(history[p] == t)) for p, t in checked)
+    assert {0, 1} == {a for _, a in policy.besides}
+    # A run beside offers prices neither the target alone's steps nor a probe.
+    assert sum(policy.runs) == 80 and all(policy.probed) and not any(policy.answered)
+
+
+def test_no_offers_where_the_policy_prices_none():
+    policy = Cycle([0], run=8)
+    out, stats, drafter = run([3, 1, 4], 20, policy)
+    assert out == reference([3, 1, 4], 20) and stats.offers == drafter.calls == 0

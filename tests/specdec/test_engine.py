@@ -938,6 +938,43 @@ def test_decode_drafts_lookup_matches_within_its_run_and_keeps_the_targets_token
     assert not any(p.by_lookup for p in outcomes)
 
 
+@pytest.mark.parametrize("offered,kept,passes", [
+    ("right", 9, 1),          # its guess (the first token) holds: 9 right drafts kept, the 10th rejected
+    ("wrong-guess", 0, 0),    # its first token is not the run's: never used
+    ("from-the-prompt", 9, 1),  # drafted after the prompt's first 6 tokens: those must hold too
+    ("wrong-earlier", 0, 0),  # ... and one of them does not
+])
+def test_decode_checks_offered_drafts_after_their_guess_and_keeps_the_targets_tokens(models, offered, kept, passes):
+    """DecodeRequest.offer: a drafter's drafts after a history the run has since gone past;
+    a pass uses those after the committed history only where the offer's first tokens are
+    what it committed there. The tokens are the target alone's either way."""
+    from specdec.api.verifier.v1 import verifier_pb2
+    from verifier_service.runs import Offers, decode
+
+    prompt = tokens(8, 23)
+    want = greedy_reference(models, prompt, 32)
+    wrong = (want[10] + 1) % VOCAB
+    offers = Offers()
+    if offered == "right":
+        offers.offer(verifier_pb2.DraftOffer(position=len(prompt), tokens=want[:10] + [wrong] + want[11:20]))
+    elif offered == "wrong-guess":
+        offers.offer(verifier_pb2.DraftOffer(position=len(prompt), tokens=[(want[0] + 1) % VOCAB] + want[1:20]))
+    else:
+        earlier = prompt[6:] if offered == "from-the-prompt" else [prompt[6], (prompt[7] + 1) % VOCAB]
+        offers.offer(verifier_pb2.DraftOffer(position=6, tokens=earlier + want[:10] + [wrong] + want[11:20]))
+
+    async def run():
+        seq = engine(models).new_sequence()
+        request = verifier_pb2.DecodeRequest(start=0, new_tokens=prompt, max_tokens=32)
+        return [p async for p in decode(seq, request, 4096, offers=offers)]
+
+    picked = asyncio.run(run())
+    assert [p.token for p in picked] == want
+    assert sum(p.drafted for p in picked) == kept and sum(p.offered for p in picked) == passes
+    assert sum(p.rejected for p in picked) == 10 * passes  # the wrong draft and the 9 after it, on its own token
+    assert not any(p.by_lookup for p in picked)
+
+
 def test_decodes_sharing_passes_wake_their_loop_once_a_pass_with_every_token(models):
     """The tokens a pass's picks commit reach the decodes' event loop together, in one
     wake-up as the next pass starts (`Engine._post`): 4 sessions decoding 10 tokens each

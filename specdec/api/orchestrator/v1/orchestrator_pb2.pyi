@@ -111,7 +111,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "resyncs", "drafter_failovers", "accepted_per_position", "lookaheads", "lookahead_hits", "draft_seconds", "verify_seconds", "mean_batch_rows", "verifier_moves", "feature_bytes_received", "feature_bytes_sent")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "resyncs", "drafter_failovers", "accepted_per_position", "lookaheads", "lookahead_hits", "draft_seconds", "verify_seconds", "mean_batch_rows", "verifier_moves", "feature_bytes_received", "feature_bytes_sent", "run_offers", "offered_accepted")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,8 @@ class SpeculationStats(_message.Message):
     VERIFIER_MOVES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    RUN_OFFERS_FIELD_NUMBER: _ClassVar[int]
+    OFFERED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -142,7 +144,9 @@ class SpeculationStats(_message.Message):
     verifier_moves: int
     feature_bytes_received: int
     feature_bytes_sent: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., resyncs: _Optional[int] = ..., drafter_failovers: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., lookaheads: _Optional[int] = ..., lookahead_hits: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., mean_batch_rows: _Optional[float] = ..., verifier_moves: _Optional[int] = ..., feature_bytes_received: _Optional[int] = ..., feature_bytes_sent: _Optional[int] = ...) -> None: ...
+    run_offers: int
+    offered_accepted: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., resyncs: _Optional[int] = ..., drafter_failovers: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., lookaheads: _Optional[int] = ..., lookahead_hits: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., mean_batch_rows: _Optional[float] = ..., verifier_moves: _Optional[int] = ..., feature_bytes_received: _Optional[int] = ..., feature_bytes_sent: _Optional[int] = ..., run_offers: _Optional[int] = ..., offered_accepted: _Optional[int] = ...) -> None: ...
 
 class Result(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stop_sequence", "usage", "stats", "index", "prompt_logprobs")

@@ -88,7 +88,7 @@ class BatchPass(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., free_kv_blocks: _Optional[int] = ..., waiting_sessions: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "start", "new_tokens", "sampling", "max_tokens", "stop_token_ids", "features", "constraint", "constraint_start", "draft_forced", "logprobs", "top_logprobs", "draft_lookup")
+    __slots__ = ("session_id", "start", "new_tokens", "sampling", "max_tokens", "stop_token_ids", "features", "constraint", "constraint_start", "draft_forced", "logprobs", "top_logprobs", "draft_lookup", "offer")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class DecodeRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    OFFER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -115,7 +116,18 @@ class DecodeRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     draft_lookup: LookupRule
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[FeatureRequest, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_start: _Optional[int] = ..., draft_forced: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., draft_lookup: _Optional[_Union[LookupRule, _Mapping]] = ...) -> None: ...
+    offer: DraftOffer
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[FeatureRequest, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_start: _Optional[int] = ..., draft_forced: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., draft_lookup: _Optional[_Union[LookupRule, _Mapping]] = ..., offer: _Optional[_Union[DraftOffer, _Mapping]] = ...) -> None: ...
+
+class DraftOffer(_message.Message):
+    __slots__ = ("position", "tokens", "probs")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class LookupRule(_message.Message):
     __slots__ = ("min_match", "max_match", "max_drafts")
@@ -128,7 +140,7 @@ class LookupRule(_message.Message):
     def __init__(self, min_match: _Optional[int] = ..., max_match: _Optional[int] = ..., max_drafts: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_id", "batch_pass", "features", "drafted", "drafts_rejected", "logprobs", "lookup_drafts")
+    __slots__ = ("token_id", "batch_pass", "features", "drafted", "drafts_rejected", "logprobs", "lookup_drafts", "offered_drafts")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_PASS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +148,7 @@ class DecodeResponse(_message.Message):
     DRAFTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    OFFERED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     batch_pass: BatchPass
     features: _common_pb2.Features
@@ -143,7 +156,8 @@ class DecodeResponse(_message.Message):
     drafts_rejected: int
     logprobs: _common_pb2.TokenLogprobs
     lookup_drafts: bool
-    def __init__(self, token_id: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., drafted: _Optional[bool] = ..., drafts_rejected: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., lookup_drafts: _Optional[bool] = ...) -> None: ...
+    offered_drafts: bool
+    def __init__(self, token_id: _Optional[int] = ..., batch_pass: _Optional[_Union[BatchPass, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., drafted: _Optional[bool] = ..., drafts_rejected: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., lookup_drafts: _Optional[bool] = ..., offered_drafts: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

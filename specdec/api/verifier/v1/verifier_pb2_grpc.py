@@ -40,7 +40,7 @@ class VerifierServiceStub:
                 request_serializer=specdec_dot_api_dot_verifier_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_api_dot_verifier_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
+        self.Decode = channel.stream_stream(
                 '/specdec.verifier.v1.VerifierService/Decode',
                 request_serializer=specdec_dot_api_dot_verifier_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=specdec_dot_api_dot_verifier_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
@@ -83,7 +83,7 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decode(self, request, context):
+    def Decode(self, request_iterator, context):
         """The target alone: brings the session up to date with the committed history,
         then decodes up to max_tokens tokens, one per forward pass (each shared with the
         other sessions ready at the same time), streaming each as soon as it is picked.
@@ -91,6 +91,9 @@ class VerifierServiceServicer:
         with no drafts would return (with draft_forced: with the grammar's forced tokens as
         drafts), greedy or sampled; a client that stops reading
         early keeps only what it read (the next call's `start` says what it holds).
+        The first message starts the run; the caller may then send drafts for it, each
+        message an `offer` alone (a drafter's drafts, made while the run goes on: the run
+        never waits for them). The caller half-closes when it has no more to offer.
         FAILED_PRECONDITION: as for Verify.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -135,7 +138,7 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     request_deserializer=specdec_dot_api_dot_verifier_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_api_dot_verifier_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
             ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
+            'Decode': grpc.stream_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=specdec_dot_api_dot_verifier_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
                     response_serializer=specdec_dot_api_dot_verifier_dot_v1_dot_verifier__pb2.DecodeResponse.SerializeToString,
@@ -200,7 +203,7 @@ class VerifierService:
             _registered_method=True)
 
     @staticmethod
-    def Decode(request,
+    def Decode(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -210,8 +213,8 @@ class VerifierService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/specdec.verifier.v1.VerifierService/Decode',
             specdec_dot_api_dot_verifier_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
