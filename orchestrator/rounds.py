@@ -8,6 +8,7 @@ service what it lacks of it."""
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -22,6 +23,8 @@ from specdec.api.verifier.v1 import verifier_pb2
 from orchestrator.kpolicy import AdaptiveK, FixedK
 from orchestrator.links import DrafterLink, Step, Verdict, VerifierLink
 from orchestrator.stats import Stats
+
+log = logging.getLogger("orchestrator")
 
 Drafts = tuple[list[int], list[common_pb2.SparseDistribution]]  # draft tokens, and their q (empty: one-hot)
 
@@ -284,6 +287,8 @@ class _Offering:
             position, token = self.guesses.pop(0)
             self.policy.observe_beside(1, int(self.history[position] == token), None)
         if self.task is None or self.task.done():
+            if self.task is not None:
+                self._log_failure()  # the next token asks again
             self.task = asyncio.ensure_future(self._draft())
 
     async def _draft(self) -> None:
@@ -299,9 +304,16 @@ class _Offering:
                 return  # drafted after the latest history: the next token asks again
 
     async def close(self) -> None:
-        if self.task is not None:
+        if self.task is not None and self.task.done():
+            self._log_failure()
+        elif self.task is not None:
             await _cancel(self.task)
         self.queue.put_nowait(None)
+
+    def _log_failure(self) -> None:
+        """Logs the last call's failure, if it failed (the run went on without its offer)."""
+        if not self.task.cancelled() and self.task.exception() is not None:
+            log.info("an offer's drafter call failed: %s", self.task.exception())
 
 
 class _BesideRun:

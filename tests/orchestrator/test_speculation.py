@@ -395,3 +395,26 @@ def test_no_offers_where_the_policy_prices_none():
     policy = Cycle([0], run=8)
     out, stats, drafter = run([3, 1, 4], 20, policy)
     assert out == reference([3, 1, 4], 20) and stats.offers == drafter.calls == 0
+
+
+class FailingDrafter(FakeDrafter):
+    """Its calls fail (a deadline, say) where `fails(call)`."""
+
+    def __init__(self, fails):
+        super().__init__()
+        self.fails = fails
+
+    async def propose(self, history, k, committed=None):
+        self.calls += 1
+        if self.fails(self.calls):
+            raise RuntimeError("the drafter's call failed")
+        return await super().propose(history, k, committed)
+
+
+@pytest.mark.parametrize("fails", [lambda call: call % 2, lambda call: True], ids=["every other", "all"])
+def test_a_failed_offer_call_is_asked_again_and_the_run_goes_on(fails):
+    prompt = [3, 1, 4, 1, 5]
+    policy = Cycle([0], run=8, offer=2)
+    out, stats, drafter = run(prompt, 40, policy, drafter=FailingDrafter(fails))
+    assert out == reference(prompt, 40)
+    assert drafter.calls > stats.offers and (stats.offers > 0) == (fails(2) == 0)
