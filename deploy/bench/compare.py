@@ -136,6 +136,7 @@ class _LocalDrafter:
 
 class _LocalVerifier:
     """The verifier's round behind the interface of the orchestrator's VerifierLink."""
+    features = None  # no feature drafter here
 
     def __init__(self, engine: Engine, params):
         from verifier_service.passes import verify
@@ -151,7 +152,8 @@ class _LocalVerifier:
         accepted, token, done, *_ = await self.verify_round(self.seq, request)
         return Verdict(accepted, token, done)
 
-    async def decode(self, history, max_tokens, stop, draft_forced=False, draft_lookup=None):
+    async def decode(self, history, max_tokens, stop, draft_forced=False, draft_lookup=None, offers=None):
+        assert offers is None, "a fixed K offers no drafts to runs"
         request = verifier_pb2.DecodeRequest(start=self.synced, new_tokens=history[self.synced:],
                                              sampling=self.params, max_tokens=max_tokens, stop_token_ids=sorted(stop),
                                              draft_forced=draft_forced, draft_lookup=draft_lookup)
