@@ -48,12 +48,14 @@ class _Malformed:
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
     """INVALID_ARGUMENT for a request whose bytes are not the method's message (gRPC
-    would answer UNKNOWN after the parser raised). Request-streaming methods (reflection)
-    are left as they are."""
+    would answer UNKNOWN after the parser raised); in a request stream (the verifier's
+    Decode), for any of its messages. Other services' request-streaming methods
+    (reflection) are left as they are."""
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None or handler.request_streaming and not (
+                handler.response_streaming and details.method.startswith("/specdec.")):
             return handler
         parse = handler.request_deserializer
 
@@ -67,6 +69,21 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request: not a valid message for {details.method} ({request.error})")
 
+        if handler.request_streaming:
+            behavior = handler.stream_stream
+
+            async def checked(requests, context):
+                async for request in requests:
+                    if isinstance(request, _Malformed):
+                        await refuse(request, context)
+                    yield request
+
+            async def guarded_streams(requests, context):
+                async with contextlib.aclosing(behavior(checked(requests, context), context)) as responses:
+                    async for response in responses:
+                        yield response
+
+            return grpc.stream_stream_rpc_method_handler(guarded_streams, deserialize, handler.response_serializer)
         if handler.response_streaming:
             behavior = handler.unary_stream
 

@@ -91,7 +91,7 @@ def test_verifier_names_the_field(tiny_cluster, code, field, message):
     expect_error(lambda: stub.Verify(message, timeout=10), code, field)
 
 
-RUN = "bad-offer-run"  # a run refused an offer after it started
+RUN = "bad-offer-run"  # a run refused an offer after it started: a long one, still going when the offer comes
 
 
 def Offer(position=2, tokens=(1, 2), probs=()):
@@ -138,9 +138,9 @@ def Decode(session_id="bad-input", start=0, new_tokens=(1, 2), max_tokens=4, **k
     (grpc.StatusCode.INVALID_ARGUMENT, "offer.probs[0]", Decode(offer=Offer(tokens=[1], probs=[Q(2)]))),
     (grpc.StatusCode.INVALID_ARGUMENT, "offer", Decode(offer=Offer(), features=verifier_pb2.FeatureRequest(layers=[1]))),
     # After the first message: an offer alone, and a valid one.
-    (grpc.StatusCode.INVALID_ARGUMENT, "offer", [Decode(session_id=RUN, max_tokens=64), Decode(offer=Offer())]),
+    (grpc.StatusCode.INVALID_ARGUMENT, "offer", [Decode(session_id=RUN, max_tokens=1024), Decode(offer=Offer())]),
     (grpc.StatusCode.INVALID_ARGUMENT, "offer.tokens[0]",
-     [Decode(session_id=RUN, max_tokens=64), verifier_pb2.DecodeRequest(offer=Offer(tokens=[-1]))]),
+     [Decode(session_id=RUN, max_tokens=1024), verifier_pb2.DecodeRequest(offer=Offer(tokens=[-1]))]),
 ])
 def test_verifier_decode_names_the_field(tiny_cluster, code, field, message):
     stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])
@@ -151,6 +151,18 @@ def test_verifier_decode_names_the_field(tiny_cluster, code, field, message):
         assert RUN in tiny_cluster.sessions(tiny_cluster.roles["verifier"])
         stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=RUN), timeout=10)
 
+
+
+def test_a_malformed_message_after_a_runs_first_is_refused(tiny_cluster):
+    """Bytes that are not a DecodeRequest, after a valid first message: INVALID_ARGUMENT
+    naming the request, as for a first message (tests/reliability/test_fuzz.py)."""
+    channel = tiny_cluster.channel(tiny_cluster.roles["verifier"])
+    decode = channel.stream_stream("/specdec.verifier.v1.VerifierService/Decode")  # bytes both ways
+    first = Decode(session_id=RUN, max_tokens=1024).SerializeToString()
+    expect_error(lambda: list(decode(iter([first, b"\xff\xff\xff"]), timeout=10)),
+                 grpc.StatusCode.INVALID_ARGUMENT, "request")
+    stub = tiny_cluster.verifier_stub(tiny_cluster.roles["verifier"])
+    stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=RUN), timeout=10)
 
 
 def Propose(session_id="bad-input", start=0, new_tokens=(1, 2), k=2, **kw):
