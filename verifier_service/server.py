@@ -192,10 +192,7 @@ class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.Verifi
             self.check_features(request.features, request.start + len(request.new_tokens))
             offers = None if request.features.layers else Offers()
             if request.HasField("offer"):
-                if offers is None:
-                    raise InvalidArgument("offer", "not with features (a feature drafter's run drafts nothing)")
-                check_offer(request.offer, self.info.vocab_size, self.info.max_positions)
-                offers.offer(request.offer)
+                self._take(request.offer, offers)
             reader = asyncio.ensure_future(self._offers(requests, offers))
             session = self.store.get(request.session_id, request.start)
             with tracing.server_span("verifier.Decode", context, session_id=request.session_id,
@@ -227,10 +224,14 @@ class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.Verifi
         async for message in requests:
             if message != verifier_pb2.DecodeRequest(offer=message.offer):
                 raise InvalidArgument("offer", "a message after a run's first carries an offer alone")
-            if offers is None:
-                raise InvalidArgument("offer", "not with features (a feature drafter's run drafts nothing)")
-            check_offer(message.offer, self.info.vocab_size, self.info.max_positions)
-            offers.offer(message.offer)
+            self._take(message.offer, offers)
+
+    def _take(self, offer: verifier_pb2.DraftOffer, offers: Offers | None) -> None:
+        """An offer checked, and kept by the run (None: a feature run, which takes none)."""
+        if offers is None:
+            raise InvalidArgument("offer", "not with features (a feature drafter's run drafts nothing)")
+        check_offer(offer, self.info.vocab_size, self.info.max_positions)
+        offers.offer(offer)
 
 
 def build_parser() -> argparse.ArgumentParser:
