@@ -67,9 +67,48 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's test for the 27B models' attention scale
+
+
+def gguf_config(gguf: Path) -> dict:
+    """What the file says of its model that transformers' GGUF loader leaves at its config's
+    defaults, and llama.cpp reads: the heads' width (`attention.key_length`: Qwen3's is not
+    hidden / heads), Gemma 2's soft caps, and Gemma's attention scale (query_pre_attn_scalar:
+    hidden / heads for the 27B models, the head's width for the others, as llama.cpp has
+    it; the file does not hold it). A Gemma 2 27B or a Qwen3 of another head width would
+    otherwise load with the defaults' numbers, and the model would not be the file's."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+
+    def value(key: str):
+        field = fields.get(key)
+        return None if field is None else field.contents()
+
+    arch = value("general.architecture")
+    config = {}
+    head_dim = value(f"{arch}.attention.key_length")
+    if head_dim:
+        config["head_dim"] = int(head_dim)
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if value(f"{arch}.{key}") is not None:
+                config[key] = float(value(f"{arch}.{key}"))
+    if arch in GEMMA_27B_LAYERS and head_dim:
+        hidden, heads = value(f"{arch}.embedding_length"), value(f"{arch}.attention.head_count")
+        big = value(f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
+        config["query_pre_attn_scalar"] = hidden // heads if big else int(head_dim)
+    return config
+
+
+# Names the conversions of this code: 2 takes the file's own numbers (gguf_config), where
+# an earlier conversion of a Gemma 27B held the defaults' attention scale.
+GGUF_CONVERSION = 2
+
+
 def _converted_gguf(gguf: Path) -> Path:
     """A model directory holding the de-quantised GGUF model and its tokenizer."""
-    target = cache_root() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)}"
+    target = cache_root() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)}-c{GGUF_CONVERSION}"
     if (target / "config.json").exists():  # no lock needed: the cache may be read-only (a baked image)
         return target
     with _locked(target.with_suffix(".lock")):
@@ -77,7 +116,7 @@ def _converted_gguf(gguf: Path) -> Path:
             return target
         try:
             import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         except ImportError as err:  # a process without the model runtime (the orchestrator's image)
             raise RuntimeError(f"{gguf} is not converted in the cache ({target}), and converting it needs torch "
                                "(pip install 'specdec[models]'): convert it once where torch is, or name a "
@@ -85,7 +124,10 @@ def _converted_gguf(gguf: Path) -> Path:
         log.info("converting %s once (about 30 s); cached at %s", gguf, target)
         started = time.monotonic()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config.update({key: value for key, value in gguf_config(gguf).items() if hasattr(config, key)})
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                     dtype=torch.float32)
         # The weights are de-quantised now: save them as a plain model.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

@@ -4,6 +4,7 @@ A random pair is useful only when it is not degenerate: the target's greedy outp
 vary, and the draft must agree with it on part of the tokens so both the accept and the
 correction paths run. The draft is the target with small noise on every weight."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -176,4 +177,79 @@ def eagle_head_for(model: LlamaForCausalLM, tokenizer, path: Path, *, seed: int,
         head.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
     eagle.save_head(head, path, dtype=torch.float32)
     tokenizer.save_pretrained(path)
+    return path
+
+
+GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+              "gemma2": "gemma2", "gemma3_text": "gemma3"}  # the architecture llama.cpp's converter names
+
+
+def write_gguf(model, tokenizer, path: Path, kind: int) -> Path:
+    """`model` as a GGUF file the way llama.cpp's converter writes one: its linear layers
+    and embedding in blocks of `kind`, norms and biases float32, Llama's q and k rows in
+    the converter's rotary order, Gemma's norm weights as 1 + w; its hyperparameters under
+    the architecture's keys; `tokenizer` (a byte-level BPE, as `bpe_tokenizer` trains) as
+    llama.cpp writes a GPT-2-style vocabulary."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    config, arch = model.config, GGUF_ARCHS[model.config.model_type]
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters  # Gemma 3's: one for each kind of layer; the file holds the global layers'
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+    bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    special = set(tokenizer.all_special_ids)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokenizer))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    # Phi-3's config defaults a pad id of 32000, past this vocabulary; Gemma's tokenizer wants an unknown token.
+    writer.add_pad_token_id(tokenizer.eos_token_id)
+    writer.add_unk_token_id(tokenizer.eos_token_id)
+    writer.add_add_bos_token(False)
+
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if name.endswith("q_proj.weight") else kv_heads
+            data = data.reshape(n, 2, data.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(data.shape)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1
+        file_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert file_name is not None, name
+        if data.ndim == 2:
+            writer.add_tensor(file_name, quants.quantize(np.ascontiguousarray(data), GGMLQuantizationType(kind)),
+                              raw_dtype=GGMLQuantizationType(kind))
+        else:
+            writer.add_tensor(file_name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return path

@@ -1,0 +1,124 @@
+"""GGUF files of every family the layer kernel runs, as users bring them from llama.cpp's
+converter (written here by tests/models.py's `write_gguf`: Q8_0 blocks, Llama's q and k
+rows in the converter's order, Gemma's norms as 1 + w). Each loads as its model, with the
+numbers the file holds where transformers' GGUF loader would leave its config's defaults
+(`model_files.gguf_config`); `--quantize auto` takes the file's own blocks (no second
+quantization) to the layer kernel; and verify passes through the engine, at more threads
+than this machine has cores, give the model's own `generate`."""
+
+import copy
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from models import FAMILIES, bpe_tokenizer, build_family, write_gguf
+from passes import rounds_of_its_own_tokens
+from specdec import model_files
+from specdec.runtime import ggml, modeling, quantize
+from specdec.runtime.engine import Engine
+
+THREADS = 5
+
+# Shapes a GGUF file can say: Gemma's head tied to its embedding (the file has no other),
+# Gemma 3's local and global layers in llama.cpp's fixed pattern (5 local, then a global
+# one), and its attention scale the head's width (llama.cpp's, below 27B). Gemma 2 keeps
+# the small caps and scale of models.py: the file holds the caps, and its scale is the
+# head's width there too.
+SHAPES = {"gemma2": dict(tie_word_embeddings=True),
+          "gemma3_text": dict(tie_word_embeddings=True, layers=6, query_pre_attn_scalar=16,
+                              layer_types=["sliding_attention"] * 5 + ["full_attention"])}
+TEXT = "The history of the printing press begins in the fifteenth century, when"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A small vocabulary: the file's metadata is read a few times a load."""
+    return bpe_tokenizer([TEXT, "Water boils at a hundred degrees, and the printing of books changed"] * 20,
+                         vocab_size=600)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def gguf_file(request, tmp_path_factory, tokenizer):
+    family = request.param
+    root = tmp_path_factory.mktemp(f"gguf-{family}")
+    model = build_family(family, tokenizer, root / "checkpoint", seed=3, eos_token_id=None,
+                         **SHAPES.get(family, {}))
+    if family.startswith("gemma"):
+        # Its input is the embedding times sqrt(hidden), its head that embedding: at these
+        # weights the last token wins every step. A smaller embedding lets the layers count.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(0.05)
+    return model, write_gguf(model, tokenizer, root / f"{family}.gguf", ggml.Q8_0)
+
+
+def in_q8_0(model):
+    """`model` with each matrix as Q8_0 blocks hold it: the model a Q8_0 file is."""
+    held = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in held.parameters():
+            if p.dim() == 2:
+                kind = GGMLQuantizationType.Q8_0
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.numpy(), kind), kind).copy()))
+    return held
+
+
+def test_a_gguf_file_of_each_family_runs_on_its_own_blocks_as_its_model(gguf_file, tokenizer):
+    original, path = gguf_file
+    loaded, its_tokenizer = modeling.load_model(str(path))
+    ids = tokenizer(TEXT)["input_ids"]
+    if not original.config.model_type.startswith("gemma"):  # Gemma files hold sentencepiece vocabularies, not this
+        assert its_tokenizer(TEXT)["input_ids"] == ids
+    with torch.no_grad():
+        want = in_q8_0(original)(torch.tensor([ids])).logits
+        got = loaded(torch.tensor([ids])).logits
+    # The same weights; Gemma's norms come back as (1 + w) - 1, within float32's rounding of 1.
+    assert torch.allclose(got, want, rtol=0, atol=1e-4), (got - want).abs().max()
+
+    model = quantize.quantize(loaded, "auto")
+    assert quantize.method_of(model) == "gguf"
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0].tolist()
+    assert len(set(want[len(ids):])) > 8  # a degenerate model proves nothing
+    engine = Engine(model, 16 << 20, threads=THREADS)
+    try:
+        assert engine.numerics == "gguf/float32/cpu/layer-kernel"
+        got = rounds_of_its_own_tokens(engine, ids, want)
+        assert got == want[len(ids):len(ids) + len(got)]
+    finally:
+        engine.stop()
+
+
+def test_the_file_says_what_transformers_would_leave_at_its_defaults(gguf_file):
+    """Without these numbers, the Qwen3 above does not load (its heads are 16 wide, the
+    default 128) and the Gemma 2 computes with caps of 50 and 30 and a scale of 256."""
+    original, path = gguf_file
+    config = model_files.gguf_config(path)
+    head_dim = original.config.head_dim
+    assert config["head_dim"] == head_dim
+    family = original.config.model_type
+    if family == "gemma2":
+        assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (1.0, 2.0)
+    if family.startswith("gemma"):
+        assert config["query_pre_attn_scalar"] == original.config.query_pre_attn_scalar == head_dim
+    else:
+        assert "query_pre_attn_scalar" not in config
+
+
+def test_a_27b_gemma_takes_llama_cpps_attention_scale(tmp_path):
+    """llama.cpp scales a Gemma 27B's attention by hidden / heads (144 for Gemma 2, 168 for
+    Gemma 3), not by the head's width (128): a file of that depth, its numbers alone."""
+    import gguf
+
+    for arch, layers, hidden, heads in (("gemma2", 46, 4608, 32), ("gemma3", 62, 5376, 32)):
+        path = tmp_path / f"{arch}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch)
+        writer.add_block_count(layers)
+        writer.add_embedding_length(hidden)
+        writer.add_head_count(heads)
+        writer.add_key_length(128)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        assert model_files.gguf_config(path)["query_pre_attn_scalar"] == hidden // heads, arch
