@@ -68,6 +68,21 @@ def _locked(path: Path):
 
 
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's test for the 27B models' attention scale
+# Llama 3.1, 3.2 and 3.3's rope scaling but its factor: llama.cpp's converter writes it as
+# a tensor of each frequency's divisor (rope_freqs.weight), which transformers' loader skips.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_rope_divisors(theta: float, dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                         original_max_position_embeddings: int):
+    """What Llama 3's rope scaling divides each rotary frequency by."""
+    import numpy as np
+
+    wavelength = 2 * np.pi * theta ** (np.arange(0, dim, 2) / dim)
+    smooth = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    return np.where(wavelength < original_max_position_embeddings / high_freq_factor, 1.0,
+                    np.where(wavelength > original_max_position_embeddings / low_freq_factor, factor,
+                             1 / ((1 - smooth) / factor + smooth)))
 
 
 def gguf_config(gguf: Path) -> dict:
@@ -75,11 +90,16 @@ def gguf_config(gguf: Path) -> dict:
     defaults, and llama.cpp reads: the heads' width (`attention.key_length`: Qwen3's is not
     hidden / heads), Gemma 2's soft caps, and Gemma's attention scale (query_pre_attn_scalar:
     hidden / heads for the 27B models, the head's width for the others, as llama.cpp has
-    it; the file does not hold it). A Gemma 2 27B or a Qwen3 of another head width would
-    otherwise load with the defaults' numbers, and the model would not be the file's."""
+    it; the file does not hold it), and rope scaling (`rope_scaling`: Gemma 3's linear
+    scaling of its global layers, from `rope.scaling.*`; Llama 3's, from the divisors the
+    file holds as `rope_freqs.weight`). A Llama 3.1, a Gemma 3 4B or a Gemma 2 27B would
+    otherwise load with the defaults' numbers, and the model would not be the file's.
+    ValueError for rope divisors of a form not Llama 3's."""
+    import numpy as np
     from gguf import GGUFReader
 
-    fields = GGUFReader(gguf).fields
+    reader = GGUFReader(gguf)
+    fields = reader.fields
 
     def value(key: str):
         field = fields.get(key)
@@ -98,6 +118,16 @@ def gguf_config(gguf: Path) -> dict:
         hidden, heads = value(f"{arch}.embedding_length"), value(f"{arch}.attention.head_count")
         big = value(f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
         config["query_pre_attn_scalar"] = hidden // heads if big else int(head_dim)
+    if value(f"{arch}.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(value(f"{arch}.rope.scaling.factor"))}
+    divisors = next((np.array(t.data, dtype=np.float64) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if divisors is not None:
+        theta, dim = float(value(f"{arch}.rope.freq_base")), 2 * len(divisors)
+        rope = {"factor": float(divisors.max()), **LLAMA3_ROPE}
+        if not np.allclose(llama3_rope_divisors(theta, dim, **rope), divisors, rtol=1e-5, atol=0):
+            raise ValueError(f"{gguf}: its rope_freqs.weight is not Llama 3's rope scaling (factor {rope['factor']}, "
+                             f"{LLAMA3_ROPE}); transformers would load the model without it")
+        config["rope_scaling"] = {"rope_type": "llama3", **rope}
     return config
 
 
@@ -125,7 +155,11 @@ def _converted_gguf(gguf: Path) -> Path:
         started = time.monotonic()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        config.update({key: value for key, value in gguf_config(gguf).items() if hasattr(config, key)})
+        settings = gguf_config(gguf)
+        if "rope_scaling" in settings:  # Gemma 3's: its global layers' rotary embedding (llama.cpp's too)
+            rope = config.rope_parameters
+            rope.get("full_attention", rope).update(settings.pop("rope_scaling"))
+        config.update({key: value for key, value in settings.items() if hasattr(config, key)})
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
                                                      dtype=torch.float32)
         # The weights are de-quantised now: save them as a plain model.

@@ -5,6 +5,7 @@ vary, and the draft must agree with it on part of the tokens so both the accept 
 correction paths run. The draft is the target with small noise on every weight."""
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -216,6 +217,25 @@ def write_gguf(model, tokenizer, path: Path, kind: int) -> Path:
     if config.model_type == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    rope = rope.get("full_attention", rope)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "llama3":  # as the converter has it: a divisor of each frequency, a tensor
+        freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        context = rope["original_max_position_embeddings"]
+        low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+        divisors = []
+        for freq in freqs:
+            wavelength = 2 * math.pi / freq
+            if wavelength < context / high:
+                divisors.append(1)
+            elif wavelength > context / low:
+                divisors.append(factor)
+            else:
+                smooth = (context / wavelength - low) / (high - low)
+                divisors.append(1 / ((1 - smooth) / factor + smooth))
+        writer.add_tensor("rope_freqs.weight", torch.tensor(divisors, dtype=torch.float32).numpy())
 
     bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     special = set(tokenizer.all_special_ids)

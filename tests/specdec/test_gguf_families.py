@@ -2,7 +2,8 @@
 converter (written here by tests/models.py's `write_gguf`: Q8_0 blocks, Llama's q and k
 rows in the converter's order, Gemma's norms as 1 + w). Each loads as its model, with the
 numbers the file holds where transformers' GGUF loader would leave its config's defaults
-(`model_files.gguf_config`); `--quantize auto` takes the file's own blocks (no second
+(`model_files.gguf_config`: head widths, Gemma's caps and attention scale, Llama 3's and
+Gemma 3's rope scaling); `--quantize auto` takes the file's own blocks (no second
 quantization) to the layer kernel; and verify passes through the engine, at more threads
 than this machine has cores, give the model's own `generate`."""
 
@@ -27,7 +28,15 @@ THREADS = 5
 # head's width there too.
 SHAPES = {"gemma2": dict(tie_word_embeddings=True),
           "gemma3_text": dict(tie_word_embeddings=True, layers=6, query_pre_attn_scalar=16,
-                              layer_types=["sliding_attention"] * 5 + ["full_attention"])}
+                              layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                              rope_parameters={  # Gemma 3 4B's and up: its global layers' positions / 8
+                                  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+          # Llama 3.1's rope scaling: the file holds it as a tensor (all three of its cases
+          # at these heads' 8 frequencies: as they are, interpolated, divided by 8)
+          "llama": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192})}
 TEXT = "The history of the printing press begins in the fifteenth century, when"
 
 
@@ -73,7 +82,8 @@ def test_a_gguf_file_of_each_family_runs_on_its_own_blocks_as_its_model(gguf_fil
         want = in_q8_0(original)(torch.tensor([ids])).logits
         got = loaded(torch.tensor([ids])).logits
     # The same weights; Gemma's norms come back as (1 + w) - 1, within float32's rounding of 1.
-    assert torch.allclose(got, want, rtol=0, atol=1e-4), (got - want).abs().max()
+    # (Without the file's numbers, Llama 3's and Gemma 3's rope scaling moved a logit by 2e-3 and 5e-3.)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
 
     model = quantize.quantize(loaded, "auto")
     assert quantize.method_of(model) == "gguf"
@@ -122,3 +132,19 @@ def test_a_27b_gemma_takes_llama_cpps_attention_scale(tmp_path):
         writer.write_kv_data_to_file()
         writer.close()
         assert model_files.gguf_config(path)["query_pre_attn_scalar"] == hidden // heads, arch
+
+
+def test_rope_divisors_not_of_llama_3s_form_are_refused(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_rope_freq_base(5e5)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0, 1.0, 3.0, 8.0], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="rope_freqs.weight is not Llama 3's rope scaling"):
+        model_files.gguf_config(path)
