@@ -94,7 +94,7 @@ def gguf_config(gguf: Path) -> dict:
     scaling of its global layers, from `rope.scaling.*`; Llama 3's, from the divisors the
     file holds as `rope_freqs.weight`). A Llama 3.1, a Gemma 3 4B or a Gemma 2 27B would
     otherwise load with the defaults' numbers, and the model would not be the file's.
-    ValueError for rope divisors of a form not Llama 3's."""
+    ValueError for rope divisors of a form not Llama 3's, and for LongRoPE's factors."""
     import numpy as np
     from gguf import GGUFReader
 
@@ -120,6 +120,9 @@ def gguf_config(gguf: Path) -> dict:
         config["query_pre_attn_scalar"] = hidden // heads if big else int(head_dim)
     if value(f"{arch}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(value(f"{arch}.rope.scaling.factor"))}
+    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
+        raise ValueError(f"{gguf}: its rotary embedding is LongRoPE's (rope_factors_long and _short, a Phi-3 "
+                         "128k's), which transformers' GGUF loader drops; serve the model's checkpoint instead")
     divisors = next((np.array(t.data, dtype=np.float64) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if divisors is not None:
         theta, dim = float(value(f"{arch}.rope.freq_base")), 2 * len(divisors)

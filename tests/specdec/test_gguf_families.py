@@ -134,17 +134,23 @@ def test_a_27b_gemma_takes_llama_cpps_attention_scale(tmp_path):
         assert model_files.gguf_config(path)["query_pre_attn_scalar"] == hidden // heads, arch
 
 
-def test_rope_divisors_not_of_llama_3s_form_are_refused(tmp_path):
+@pytest.mark.parametrize("arch, tensor, refusal", [
+    ("llama", "rope_freqs.weight", "rope_freqs.weight is not Llama 3's rope scaling"),
+    ("phi3", "rope_factors_long.weight", "LongRoPE's"),
+])
+def test_rope_factors_transformers_would_drop_and_we_cannot_take_are_refused(tmp_path, arch, tensor, refusal):
+    """Loaded without them, the model would not be the file's: its rotary embedding's factors
+    not of Llama 3's form, or a Phi-3 128k's LongRoPE."""
     import gguf
     import numpy as np
 
-    path = tmp_path / "odd.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_rope_freq_base(5e5)
-    writer.add_tensor("rope_freqs.weight", np.array([1.0, 1.0, 3.0, 8.0], dtype=np.float32))
+    writer.add_tensor(tensor, np.array([1.0, 1.0, 3.0, 8.0], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="rope_freqs.weight is not Llama 3's rope scaling"):
+    with pytest.raises(ValueError, match=refusal):
         model_files.gguf_config(path)
