@@ -94,7 +94,8 @@ def gguf_config(gguf: Path) -> dict:
     scaling of its global layers, from `rope.scaling.*`; Llama 3's, from the divisors the
     file holds as `rope_freqs.weight`). A Llama 3.1, a Gemma 3 4B or a Gemma 2 27B would
     otherwise load with the defaults' numbers, and the model would not be the file's.
-    ValueError for rope divisors of a form not Llama 3's, and for LongRoPE's factors."""
+    ValueError for rope scaling the loader would drop and this cannot give it: divisors of
+    a form not Llama 3's, LongRoPE's factors, a scaling type but linear (YaRN's)."""
     import numpy as np
     from gguf import GGUFReader
 
@@ -118,8 +119,12 @@ def gguf_config(gguf: Path) -> dict:
         hidden, heads = value(f"{arch}.embedding_length"), value(f"{arch}.attention.head_count")
         big = value(f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
         config["query_pre_attn_scalar"] = hidden // heads if big else int(head_dim)
-    if value(f"{arch}.rope.scaling.type") == "linear":
+    scaling = value(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(value(f"{arch}.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"{gguf}: its rope scaling is {scaling!r}, which transformers' GGUF loader drops; serve "
+                         "the model's checkpoint instead")
     if any(t.name.startswith("rope_factors_") for t in reader.tensors):
         raise ValueError(f"{gguf}: its rotary embedding is LongRoPE's (rope_factors_long and _short, a Phi-3 "
                          "128k's), which transformers' GGUF loader drops; serve the model's checkpoint instead")

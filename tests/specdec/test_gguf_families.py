@@ -134,20 +134,24 @@ def test_a_27b_gemma_takes_llama_cpps_attention_scale(tmp_path):
         assert model_files.gguf_config(path)["query_pre_attn_scalar"] == hidden // heads, arch
 
 
-@pytest.mark.parametrize("arch, tensor, refusal", [
-    ("llama", "rope_freqs.weight", "rope_freqs.weight is not Llama 3's rope scaling"),
-    ("phi3", "rope_factors_long.weight", "LongRoPE's"),
+@pytest.mark.parametrize("arch, tensor, scaling, refusal", [
+    ("llama", "rope_freqs.weight", None, "rope_freqs.weight is not Llama 3's rope scaling"),
+    ("phi3", "rope_factors_long.weight", None, "LongRoPE's"),
+    ("qwen2", None, "yarn", "its rope scaling is 'yarn'"),
 ])
-def test_rope_factors_transformers_would_drop_and_we_cannot_take_are_refused(tmp_path, arch, tensor, refusal):
-    """Loaded without them, the model would not be the file's: its rotary embedding's factors
-    not of Llama 3's form, or a Phi-3 128k's LongRoPE."""
+def test_rope_scaling_transformers_would_drop_and_we_cannot_give_is_refused(tmp_path, arch, tensor, scaling, refusal):
+    """Loaded without it, the model would not be the file's: rotary divisors not of Llama
+    3's form, a Phi-3 128k's LongRoPE factors, YaRN."""
     import gguf
     import numpy as np
 
     path = tmp_path / f"{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_rope_freq_base(5e5)
-    writer.add_tensor(tensor, np.array([1.0, 1.0, 3.0, 8.0], dtype=np.float32))
+    if scaling:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(scaling))
+        writer.add_rope_scaling_factor(4.0)
+    writer.add_tensor(tensor or "token_embd.weight", np.array([1.0, 1.0, 3.0, 8.0], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
