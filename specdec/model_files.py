@@ -88,22 +88,17 @@ def llama3_rope_divisors(theta: float, dim: int, factor: float, low_freq_factor:
 def gguf_config(gguf: Path) -> dict:
     """What the file says of its model that transformers' GGUF loader leaves at its config's
     defaults, and llama.cpp reads: the heads' width (`attention.key_length`: Qwen3's is not
-    hidden / heads), Gemma 2's soft caps, and Gemma's attention scale (query_pre_attn_scalar:
+    hidden / heads), Gemma 2's soft caps, Gemma's attention scale (query_pre_attn_scalar:
     hidden / heads for the 27B models, the head's width for the others, as llama.cpp has
-    it; the file does not hold it), and rope scaling (`rope_scaling`: Gemma 3's linear
-    scaling of its global layers, from `rope.scaling.*`; Llama 3's, from the divisors the
-    file holds as `rope_freqs.weight`). A Llama 3.1, a Gemma 3 4B or a Gemma 2 27B would
-    otherwise load with the defaults' numbers, and the model would not be the file's.
-    ValueError for rope scaling the loader would drop and this cannot give it: divisors of
-    a form not Llama 3's, LongRoPE's factors, a scaling type but linear (YaRN's)."""
-    import numpy as np
+    it; the file does not hold it), and rope scaling (`_rope_scaling`). A Llama 3.1, a Gemma
+    3 4B or a Gemma 2 27B would otherwise load with the defaults' numbers, and the model
+    would not be the file's."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf)
-    fields = reader.fields
 
     def value(key: str):
-        field = fields.get(key)
+        field = reader.fields.get(key)
         return None if field is None else field.contents()
 
     arch = value("general.architecture")
@@ -119,24 +114,40 @@ def gguf_config(gguf: Path) -> dict:
         hidden, heads = value(f"{arch}.embedding_length"), value(f"{arch}.attention.head_count")
         big = value(f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
         config["query_pre_attn_scalar"] = hidden // heads if big else int(head_dim)
-    scaling = value(f"{arch}.rope.scaling.type")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(value(f"{arch}.rope.scaling.factor"))}
-    elif scaling not in (None, "none"):
-        raise ValueError(f"{gguf}: its rope scaling is {scaling!r}, which transformers' GGUF loader drops; serve "
-                         "the model's checkpoint instead")
-    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
-        raise ValueError(f"{gguf}: its rotary embedding is LongRoPE's (rope_factors_long and _short, a Phi-3 "
-                         "128k's), which transformers' GGUF loader drops; serve the model's checkpoint instead")
-    divisors = next((np.array(t.data, dtype=np.float64) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if divisors is not None:
-        theta, dim = float(value(f"{arch}.rope.freq_base")), 2 * len(divisors)
-        rope = {"factor": float(divisors.max()), **LLAMA3_ROPE}
-        if not np.allclose(llama3_rope_divisors(theta, dim, **rope), divisors, rtol=1e-5, atol=0):
-            raise ValueError(f"{gguf}: its rope_freqs.weight is not Llama 3's rope scaling (factor {rope['factor']}, "
-                             f"{LLAMA3_ROPE}); transformers would load the model without it")
-        config["rope_scaling"] = {"rope_type": "llama3", **rope}
+    rope = _rope_scaling(gguf, value, arch, {t.name: t for t in reader.tensors})
+    if rope:
+        config["rope_scaling"] = rope
     return config
+
+
+def _rope_scaling(gguf: Path, value, arch: str, tensors: dict) -> dict | None:
+    """The file's rope scaling, which transformers' GGUF loader drops: Gemma 3's linear
+    scaling of its global layers (`rope.scaling.*`), Llama 3's (the divisors of its
+    frequencies the converter writes as `rope_freqs.weight`). ValueError for one this cannot
+    give the model either: divisors of a form not Llama 3's, LongRoPE's factors, a scaling
+    type but linear (YaRN's)."""
+    import numpy as np
+
+    refused = "which transformers' GGUF loader drops; serve the model's checkpoint instead"
+    scaling = value(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(f"{gguf}: its rope scaling is {scaling!r}, {refused}")
+    if any(name.startswith("rope_factors_") for name in tensors):
+        raise ValueError(f"{gguf}: its rotary embedding is LongRoPE's (rope_factors_long and _short, a Phi-3 "
+                         f"128k's), {refused}")
+    if scaling == "linear":
+        if value(f"{arch}.rope.scaling.factor") is None:
+            raise ValueError(f"{gguf}: linear rope scaling without {arch}.rope.scaling.factor")
+        return {"rope_type": "linear", "factor": float(value(f"{arch}.rope.scaling.factor"))}
+    if "rope_freqs.weight" not in tensors:
+        return None
+    divisors = np.array(tensors["rope_freqs.weight"].data, dtype=np.float64)
+    theta = float(value(f"{arch}.rope.freq_base") or 10000.0)  # llama.cpp's default base
+    rope = {"factor": float(divisors.max()), **LLAMA3_ROPE}
+    if not np.allclose(llama3_rope_divisors(theta, 2 * len(divisors), **rope), divisors, rtol=1e-5, atol=0):
+        raise ValueError(f"{gguf}: its rope_freqs.weight is not Llama 3's rope scaling (factor {rope['factor']}, "
+                         f"{LLAMA3_ROPE}), {refused}")
+    return {"rope_type": "llama3", **rope}
 
 
 # Names the conversions of this code: 2 takes the file's own numbers (gguf_config), where
