@@ -34,7 +34,7 @@ test: install
 		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || \
 		echo "make test: no prometheus binary; the Prometheus test will be skipped"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The heavy reliability runs, by hand (about 17 minutes): 2,000 fuzz cases per RPC, five
 # minutes of chaos, a soak of 10,000 requests.

@@ -1,5 +1,5 @@
 """`specdec bench load` as a smoke test on the tiny pair: every variant runs at two
-concurrencies through real services (closed loops of 3 s), the outputs are written,
+concurrencies through real services (closed loops of 1 s), the outputs are written,
 nothing fails, and every output is the target's. Not a timing test."""
 
 import json
@@ -14,7 +14,7 @@ def test_bench_load_runs_every_variant(tiny_pair, tmp_path):
     out = tmp_path / "out"
     args = load.build_parser().parse_args(
         ["--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
-         "--max-new-tokens", "10", "--concurrency", "1,4", "--duration", "3", "-k", "2", "--out", str(out)])
+         "--max-new-tokens", "10", "--concurrency", "1,4", "--duration", "1", "-k", "2", "--out", str(out)])
     assert load.main_with(args) == 0
 
     report = json.loads((out / "load.json").read_text())
