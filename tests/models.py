@@ -207,7 +207,8 @@ def write_gguf(model, tokenizer, path: Path, kind: int) -> Path:
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters  # Gemma 3's: one for each kind of layer; the file holds the global layers'
-    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    rope = rope.get("full_attention", rope)
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
@@ -217,11 +218,10 @@ def write_gguf(model, tokenizer, path: Path, kind: int) -> Path:
     if config.model_type == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    rope = rope.get("full_attention", rope)
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    if rope.get("rope_type") == "llama3":  # as the converter has it: a divisor of each frequency, a tensor
+    if rope.get("rope_type") == "llama3":  # the converter's own loop (not model_files', which reads it back)
         freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         context = rope["original_max_position_embeddings"]
         low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]

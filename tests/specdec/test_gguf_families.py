@@ -8,6 +8,7 @@ quantization) to the layer kernel; and verify passes through the engine, at more
 than this machine has cores, give the model's own `generate`."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,22 +117,33 @@ def test_the_file_says_what_transformers_would_leave_at_its_defaults(gguf_file):
         assert "query_pre_attn_scalar" not in config
 
 
-def test_a_27b_gemma_takes_llama_cpps_attention_scale(tmp_path):
-    """llama.cpp scales a Gemma 27B's attention by hidden / heads (144 for Gemma 2, 168 for
-    Gemma 3), not by the head's width (128): a file of that depth, its numbers alone."""
+def metadata_file(path, arch: str, fill) -> Path:
+    """A GGUF file of `arch` holding what `fill(writer)` adds (no model)."""
     import gguf
 
-    for arch, layers, hidden, heads in (("gemma2", 46, 4608, 32), ("gemma3", 62, 5376, 32)):
-        path = tmp_path / f"{arch}.gguf"
-        writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch)
+    fill(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch, layers, hidden, heads, scale", [
+    ("gemma2", 46, 4608, 32, 144), ("gemma3", 62, 5376, 32, 168),  # the 27B models: hidden / heads
+    ("gemma2", 42, 3584, 16, 128), ("gemma3", 48, 3840, 16, 128),  # 9B and 12B's depths: the head's width
+])
+def test_a_27b_gemma_takes_llama_cpps_attention_scale(tmp_path, arch, layers, hidden, heads, scale):
+    """llama.cpp scales a Gemma 27B's attention by hidden / heads, the others' by the head's
+    width (here 128, which neither rule would give by accident)."""
+    def fill(writer):
         writer.add_block_count(layers)
         writer.add_embedding_length(hidden)
         writer.add_head_count(heads)
         writer.add_key_length(128)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.close()
-        assert model_files.gguf_config(path)["query_pre_attn_scalar"] == hidden // heads, arch
+
+    assert model_files.gguf_config(metadata_file(tmp_path / "m.gguf", arch, fill))["query_pre_attn_scalar"] == scale
 
 
 @pytest.mark.parametrize("arch, tensor, scaling, refusal", [
@@ -145,16 +157,12 @@ def test_rope_scaling_transformers_would_drop_and_we_cannot_give_is_refused(tmp_
     import gguf
     import numpy as np
 
-    path = tmp_path / f"{arch}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_rope_freq_base(5e5)
-    if scaling:
-        writer.add_rope_scaling_type(gguf.RopeScalingType(scaling))
-        writer.add_rope_scaling_factor(4.0)
-    writer.add_tensor(tensor or "token_embd.weight", np.array([1.0, 1.0, 3.0, 8.0], dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def fill(writer):
+        writer.add_rope_freq_base(5e5)
+        if scaling:
+            writer.add_rope_scaling_type(gguf.RopeScalingType(scaling))
+            writer.add_rope_scaling_factor(4.0)
+        writer.add_tensor(tensor or "token_embd.weight", np.array([1.0, 1.0, 3.0, 8.0], dtype=np.float32))
+
     with pytest.raises(ValueError, match=refusal):
-        model_files.gguf_config(path)
+        model_files.gguf_config(metadata_file(tmp_path / "m.gguf", arch, fill))
