@@ -38,20 +38,21 @@ class Proposer(abc.ABC):
         them (others ignore them)."""
 
     @abc.abstractmethod
-    def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
-        """Yields up to k draft tokens following seq.tokens, appending each to seq."""
+    def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams,
+                draw_at: int | None = None) -> AsyncIterator[Draft]:
+        """Yields up to k draft tokens following seq.tokens, appending each to seq; a
+        sampled i-th draft's draw is keyed by draw_at + i (default: its own position)."""
 
 
-def draw(logits: torch.Tensor, params: common_pb2.SamplingParams, draws: sampling.Draws, history: list[int],
-         output_ids: torch.Tensor | None, max_support: int) -> Draft:
+def draw(logits: torch.Tensor, params: common_pb2.SamplingParams, draws: sampling.Draws, position: int,
+         history: list[int], output_ids: torch.Tensor | None, max_support: int) -> Draft:
     """A draft token after `history` from logits [vocab] (over the tokens `output_ids`
     names, if given), with the request's bias and penalties as the target applies them:
-    greedy, the argmax and no q; sampled, a draw from the top `max_support` tokens of q,
-    and exactly that sparse distribution."""
+    greedy, the argmax and no q; sampled, a draw keyed by `position` from the top
+    `max_support` tokens of q, and exactly that sparse distribution."""
     def token_of(index):
         return index if output_ids is None else output_ids[index]
 
-    position = len(history)
     logits = sampling.penalize(logits[None], params, history, columns=output_ids)[0]
     if sampling_params.is_greedy(params):
         return int(token_of(sampling.argmax(logits)[0])), None
@@ -89,11 +90,13 @@ class ModelProposer(Proposer):
     def release(self, seq: PagedSequence) -> None:
         self.engine.release(seq)
 
-    async def propose(self, seq: PagedSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
+    async def propose(self, seq: PagedSequence, k: int, params: common_pb2.SamplingParams,
+                      draw_at: int | None = None) -> AsyncIterator[Draft]:
         draws = sampling.Draws(params.seed, "draft")
+        draw_at = len(seq.tokens) if draw_at is None else draw_at
         for i in range(k):
             logits = (await seq.logits(1, again=i + 1 < k))[0][0]  # [vocab]
-            token, q = draw(logits, params, draws, seq.tokens, self.output_ids, self.max_support)
+            token, q = draw(logits, params, draws, draw_at + i, seq.tokens, self.output_ids, self.max_support)
             seq.extend([token])
             yield token, q
 
@@ -229,16 +232,17 @@ class FeatureProposer(Proposer):
             seq.pending = None
         return seq.real == want and seq.last is not None
 
-    async def propose(self, seq: FeatureSequence, k: int, params: common_pb2.SamplingParams
-                      ) -> AsyncIterator[Draft]:
+    async def propose(self, seq: FeatureSequence, k: int, params: common_pb2.SamplingParams,
+                      draw_at: int | None = None) -> AsyncIterator[Draft]:
         committed = len(seq.tokens)
         if committed < 2 or not await self._catch_up(seq, committed):
             return
         draws = sampling.Draws(params.seed, "draft")
+        draw_at = committed if draw_at is None else draw_at
         g, logits = seq.last
         try:
             for j in range(k):
-                token, q = draw(logits, params, draws, seq.tokens, self.output_ids, self.max_support)
+                token, q = draw(logits, params, draws, draw_at + j, seq.tokens, self.output_ids, self.max_support)
                 seq.extend([token])
                 yield token, q
                 if j + 1 < k:
@@ -259,7 +263,8 @@ class NoModel(Proposer):
     def new_sequence(self) -> TokenSequence:
         return TokenSequence()
 
-    async def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams) -> AsyncIterator[Draft]:
+    async def propose(self, seq: TokenSequence, k: int, params: common_pb2.SamplingParams,
+                      draw_at: int | None = None) -> AsyncIterator[Draft]:
         return
         yield
 

@@ -62,6 +62,9 @@ class DrafterServicer(session_service.SessionServicer, drafter_pb2_grpc.DrafterS
                 raise InvalidArgument("new_tokens", "must not be empty when start is 0")
             check_length("new_tokens", request.start + len(request.new_tokens), self.info)
             self.check_features(request)
+            if request.HasField("draw_position") and not 0 <= request.draw_position < 1 << 62:
+                raise InvalidArgument("draw_position", f"must be in [0, 2**62), got {request.draw_position}")
+            draw_at = request.draw_position if request.HasField("draw_position") else None
             session = self.store.get(request.session_id, request.start)
             with tracing.server_span("drafter.Propose", context, session_id=request.session_id, k=k,
                                      new_tokens=len(request.new_tokens)):
@@ -71,7 +74,7 @@ class DrafterServicer(session_service.SessionServicer, drafter_pb2_grpc.DrafterS
                     k = min(k, self.info.max_positions - len(seq.tokens))
                     response = drafter_pb2.ProposeResponse()
                     # Closed before the session is let go, wherever the call stops.
-                    async with contextlib.aclosing(self.proposer.propose(seq, k, request.sampling)) as drafts:
+                    async with contextlib.aclosing(self.proposer.propose(seq, k, request.sampling, draw_at)) as drafts:
                         async for token, q in drafts:
                             response.token_ids.append(token)
                             if q is not None:

@@ -373,7 +373,8 @@ class DrafterLink:
             try:
                 if self.aligned is not None:
                     return await self._propose_across(history, k, committed)
-                return await self._propose(history, k, len(history) if committed is None else committed)
+                return await self._propose(history, k, len(history) if committed is None else committed,
+                                           draw_at=len(history))
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline.passed():
                     raise  # the client's deadline, not the replica's fault
@@ -411,7 +412,9 @@ class DrafterLink:
             return [], []
         drafted = self.aligned.draft_history(history)
         self.synced = min(self.synced, self.aligned.kept(drafted))
-        drafts, qs = await self._propose(drafted, k, len(drafted))
+        # Its draws keyed by the target's positions: its own history may have grown by no
+        # token since the last round (a correction merged with the token before it).
+        drafts, qs = await self._propose(drafted, k, len(drafted), draw_at=len(history))
         self.aligned.sent = drafted
         return self.replica.bridge.to_target(history, drafted, drafts, qs, k)
 
@@ -424,7 +427,7 @@ class DrafterLink:
             self.features_held = 0  # a new session there: the window again
         return window.since(max(self.features_held, window.start, committed - 1 - window.size), committed - 1)
 
-    async def _propose(self, history: list[int], k: int, committed: int):
+    async def _propose(self, history: list[int], k: int, committed: int, draw_at: int):
         if len(history) >= self.replica.max_positions:
             log.info("[%s] the history (%d tokens) outgrew the drafter's model (%d positions); going on without "
                      "its drafts", self.session_id, len(history), self.replica.max_positions)
@@ -434,7 +437,7 @@ class DrafterLink:
             features = self._features_for(committed)
             request = drafter_pb2.ProposeRequest(
                 session_id=self.session_id, start=self.synced, new_tokens=history[self.synced:],
-                num_draft_tokens=k, sampling=self.sampling, features=features)
+                num_draft_tokens=k, sampling=self.sampling, features=features, draw_position=draw_at)
             drafts, qs = [], []
             try:
                 async for run in self.replica.stub.Propose(request, timeout=self.deadline.timeout(self.timeout_s),

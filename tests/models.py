@@ -115,6 +115,56 @@ def bpe_tokenizer(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
+def merging_tokenizers() -> tuple[PreTrainedTokenizerFast, PreTrainedTokenizerFast]:
+    """Two BPE tokenizers trained here over the micro pair's letters (their ids those of
+    MICRO_WORDS): the target's, its alphabet alone; a draft's, which learnt "ab" and "c"
+    followed by any letter, so that after the micro prompt "abc" a committed letter x
+    merges with the "c" before it ("ab" "c" -> "ab" "cx"): the history in the draft's
+    tokens grows by no token, as "Fib" + "onacci" in real ones."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+
+    corpus = ["ab"] * 50 + ["c" + x for x in "abcdefg"] * 40 + ["dg", "ef"] * 30
+
+    def trained(vocab_size: int) -> PreTrainedTokenizerFast:
+        tok = Tokenizer(models.BPE())
+        tok.decoder = decoders.Fuse()  # pieces joined as they are
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[MICRO_WORDS[0]],
+                                      initial_alphabet=MICRO_WORDS[1:], show_progress=False)
+        tok.train_from_iterator(corpus, trainer)
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=MICRO_WORDS[0])
+
+    target, draft = trained(len(MICRO_WORDS)), trained(len(MICRO_WORDS) + 10)
+    assert target.get_vocab() == {w: i for i, w in enumerate(MICRO_WORDS)}
+    return target, draft
+
+
+def unigram_pair(tokenizer, draft_tokenizer, root: Path, target_logits: dict[str, float],
+                 draft_logits: dict[str, float], *, seed: int) -> LlamaForCausalLM:
+    """A target and a draft (of another tokenizer) whose next-token distributions are the
+    same after any history, set by their logits (a piece not named gets 0 from the
+    target, -12 from the draft): every token has one embedding, so that every position's
+    hidden state h is the same, and each output row is its logit times h / |h|^2. Saved
+    under root/"target" and root/"draft"; returns the target."""
+    target = build_llama(tokenizer, root / "target", seed=seed, hidden=32, init_range=0.2)
+    config = LlamaConfig(**{**target.config.to_dict(), "vocab_size": len(draft_tokenizer),
+                            "eos_token_id": draft_tokenizer.eos_token_id})
+    draft = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.model.embed_tokens.weight[:] = target.model.embed_tokens.weight[0]
+        draft.load_state_dict({n: p for n, p in target.state_dict().items() if n != "lm_head.weight"
+                               and n != "model.embed_tokens.weight"}, strict=False)
+        draft.model.embed_tokens.weight[:] = target.model.embed_tokens.weight[0]
+        h = target.model(torch.tensor([[0]])).last_hidden_state[0, -1]  # after the final norm
+        unit = h / h.dot(h)
+        for model, tok, logits, default in ((target, tokenizer, target_logits, 0.0),
+                                            (draft, draft_tokenizer, draft_logits, -12.0)):
+            for piece, i in tok.get_vocab().items():
+                model.lm_head.weight[i] = logits.get(piece, default) * unit
+    save(target, tokenizer, root / "target")
+    save(draft, draft_tokenizer, root / "draft")
+    return target
+
+
 def renumbered(tokenizer) -> PreTrainedTokenizerFast:
     """`tokenizer` with its ids in reverse order: the same tokens of any text, under other
     ids (another vocabulary, as far as ids go)."""

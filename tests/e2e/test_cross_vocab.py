@@ -4,13 +4,15 @@ in the target's distribution; a drafter whose drafts cannot be carried over is r
 at start."""
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from cluster import PROMPTS, Cluster, Stream, drafter, generate, orchestrator, pb, reference, verifier
-from models import MICRO_WORDS, bpe_tokenizer, reindexed_copy, renumbered, word_tokenizer
-from tests.e2e.test_sampling import check_distribution, exact_outcomes
+from cluster import PROMPTS, Cluster, Stream, as_tested, drafter, generate, orchestrator, pb, reference, verifier
+from models import (MICRO_WORDS, bpe_tokenizer, merging_tokenizers, reindexed_copy, renumbered, unigram_pair,
+                    word_tokenizer)
+from tests.e2e.test_sampling import PROMPT, check_distribution, chi_square_p, exact_outcomes, sample_outputs
 from specdec.api.common.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +24,17 @@ MAX_NEW = 24
 # The micro target's words, and a draft's: "a" it lacks, "h" the target lacks, the rest
 # in another order.
 CROSS_WORDS = ["<eos>", "g", "f", "e", "d", "c", "b", "h"]
+# The control's orchestrator: the draft's draws keyed by its own positions, as before
+# they were keyed by the target's (a draw that decided a committed token drawn again).
+OWN_POSITIONS = """
+import runpy
+from orchestrator import links
+propose = links.DrafterLink._propose
+async def own_positions(self, history, k, committed, draw_at):
+    return await propose(self, history, k, committed, draw_at=len(history))
+links.DrafterLink._propose = own_positions
+runpy.run_module("orchestrator", run_name="__main__")
+"""
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +52,24 @@ def cross_cluster(tiny_pair, smol_tokenizer, micro_pair, tmp_path_factory):
     v, d = verifier(tiny_pair[0]), drafter(root / "draft", "cross-drafter")
     renumbered_d = drafter(root / "renumbered", "renumbered-drafter")
     micro_v, micro_d = verifier(micro_pair[0], "micro-verifier"), drafter(root / "micro-draft", "micro-cross-drafter")
-    cluster.start(v, d, renumbered_d, micro_v, micro_d)
+    # A pair of BPE tokenizers whose draft's tokens merge across the target's
+    # (models.merging_tokenizers): the draft over-proposes "b", which the target seldom
+    # takes, and seldom proposes "g", which it often does; its rejected "b" drawn again
+    # would skew the next token towards "g" (models.unigram_pair).
+    merging = root / "merging"
+    cluster.merging_target = as_tested(unigram_pair(*merging_tokenizers(), merging, {"d": 3, "g": 3}, {
+        "<eos>": 0, "a": 0, "c": 0, "e": 0, "f": 0, "b": 3.5, "d": 3, "g": 0.5}, seed=14))
+    merge_v, merge_d = verifier(merging / "target", "merging-verifier"), drafter(merging / "draft", "merging-drafter")
+    cluster.start(v, d, renumbered_d, micro_v, micro_d, merge_v, merge_d)
     o = orchestrator(v, [d], tiny_pair[0])
     renumbered_o = orchestrator(v, [renumbered_d], tiny_pair[0], "orchestrator-renumbered")
     micro_o = orchestrator(micro_v, [micro_d], micro_pair[0], "micro-orchestrator")
-    cluster.start(o, renumbered_o, micro_o)
+    merge_o = orchestrator(merge_v, [merge_d], merging / "target", "merging-orchestrator")
+    own_o = orchestrator(merge_v, [merge_d], merging / "target", "own-positions-orchestrator")
+    own_o.argv = [sys.executable, "-c", OWN_POSITIONS, *own_o.argv[3:]]
+    cluster.start(o, renumbered_o, micro_o, merge_o, own_o)
     cluster.roles = {"trained": o, "renumbered": renumbered_o, "sampled": micro_o, "verifier": v, "drafter": d,
-                     "renumbered-drafter": renumbered_d}
+                     "renumbered-drafter": renumbered_d, "merging": merge_o, "own-positions": own_o}
     cluster.draft_dir, cluster.renumbered_dir = root / "draft", root / "renumbered"
     yield cluster
     cluster.close()
@@ -130,6 +154,27 @@ def test_sampling_keeps_the_targets_distribution(cross_cluster, micro_pair, bias
                             depth=2)
     check_distribution(cross_cluster.orchestrator_stub(cross_cluster.roles["sampled"]), micro_pair[2], params,
                        depth=2, k=2, wrong=hotter, p_min=0.01)
+
+
+def test_sampling_keeps_the_targets_distribution_where_drafts_merge(cross_cluster):
+    """T = 1 over three tokens at K = 2, the draft's tokens merging across the target's: a
+    letter committed after "abc" leaves the draft's history as long as before, so its next
+    draw, keyed by the draft's own position, would be the one that drew the last round's
+    first draft (rounds of two drafts, then one: a round drafts no more than the budget).
+    Keyed by the target's position, the joint of the three tokens follows the target's
+    distribution; the control, keyed as before, does not (the test's power)."""
+    _, draft = merging_tokenizers()
+    prompt = draft.decode(PROMPT)
+    assert all(len(draft.encode(prompt + x)) == len(draft.encode(prompt)) for x in MICRO_WORDS[1:])
+    params = common_pb2.SamplingParams(temperature=1.0, top_p=1.0)
+    model = cross_cluster.merging_target
+    results = check_distribution(cross_cluster.orchestrator_stub(cross_cluster.roles["merging"]), model, params,
+                                 depth=3, k=2, p_min=0.01)
+    assert sum(s.draft_tokens for s in results) > len(results)  # the drafts were carried over
+    exact = exact_outcomes(model, params, depth=3)
+    counts, _ = sample_outputs(cross_cluster.orchestrator_stub(cross_cluster.roles["own-positions"]), params,
+                               depth=3, k=2, exact=exact)
+    assert chi_square_p(counts, exact) < 1e-3
 
 
 def test_a_drafter_whose_tokenizer_is_not_at_hand_is_refused_at_start(cross_cluster, tiny_pair):

@@ -74,7 +74,24 @@ def check_distribution(stub, model, params: common_pb2.SamplingParams, depth: in
     distribution (chi-square), and, if given, that the same test rejects a `wrong` one;
     returns the requests' stats."""
     exact = exact_outcomes(model, params, depth)
+    counts, results = sample_outputs(stub, params, depth, k, exact)
+    drafted = sum(s.draft_tokens for s in results)
+    accepted = sum(s.accepted_tokens for s in results)
+    # Rejections must be common, or the residual distribution would go untested.
+    assert 0.1 < accepted / drafted < 0.9, accepted / drafted
+    # Eight requests at a time: the verifier ran their rounds in shared passes.
+    assert max(s.mean_batch_rows for s in results) > 1.5
 
+    assert chi_square_p(counts, exact) > p_min
+    if wrong is not None:
+        assert chi_square_p(counts, wrong) < 1e-3
+    return results
+
+
+def sample_outputs(stub, params: common_pb2.SamplingParams, depth: int, k: int, exact: dict[tuple, float]
+                   ) -> tuple[dict[tuple, int], list]:
+    """SAMPLES outputs of `depth` tokens through `stub`, eight at a time: how often each
+    of `exact`'s outcomes came (none other may), and the requests' stats."""
     def one(seed):
         _, result = generate(stub, token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=depth, num_speculative_tokens=k,
                              temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
@@ -89,17 +106,7 @@ def check_distribution(stub, model, params: common_pb2.SamplingParams, depth: in
         # Outputs the processing rules out (top-k / top-p) must never occur.
         assert tokens in counts, f"{tokens} has probability 0 under the target"
         counts[tokens] += 1
-    drafted = sum(s.draft_tokens for _, s in results)
-    accepted = sum(s.accepted_tokens for _, s in results)
-    # Rejections must be common, or the residual distribution would go untested.
-    assert 0.1 < accepted / drafted < 0.9, accepted / drafted
-    # Eight requests at a time: the verifier ran their rounds in shared passes.
-    assert max(s.mean_batch_rows for _, s in results) > 1.5
-
-    assert chi_square_p(counts, exact) > p_min
-    if wrong is not None:
-        assert chi_square_p(counts, wrong) < 1e-3
-    return [s for _, s in results]
+    return counts, [s for _, s in results]
 
 
 def chi_square_p(counts: dict[tuple, int], outcomes: dict[tuple, float]) -> float:

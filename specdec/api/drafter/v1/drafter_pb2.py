@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.api.common.v1 import common_pb2 as specdec_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$specdec/api/drafter/v1/drafter.proto\x12\x12specdec.drafter.v1\x1a\"specdec/api/common/v1/common.proto\"\xcb\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.specdec.common.v1.SamplingParams\x12-\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1b.specdec.common.v1.FeaturesJ\x04\x08\x06\x10\x07\"c\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\x02qs\x18\x04 \x03(\x0b\x32%.specdec.common.v1.SparseDistributionJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"B\n\x14GetModelInfoResponse\x12*\n\x04info\x18\x01 \x01(\x0b\x32\x1c.specdec.common.v1.ModelInfo\"\x15\n\x13ListSessionsRequest\"H\n\x14ListSessionsResponse\x12\x30\n\x08sessions\x18\x01 \x03(\x0b\x32\x1e.specdec.common.v1.SessionInfo2\x8f\x03\n\x0e\x44rafterService\x12T\n\x07Propose\x12\".specdec.drafter.v1.ProposeRequest\x1a#.specdec.drafter.v1.ProposeResponse0\x01\x12\x61\n\x0c\x43loseSession\x12\'.specdec.drafter.v1.CloseSessionRequest\x1a(.specdec.drafter.v1.CloseSessionResponse\x12\x61\n\x0cGetModelInfo\x12\'.specdec.drafter.v1.GetModelInfoRequest\x1a(.specdec.drafter.v1.GetModelInfoResponse\x12\x61\n\x0cListSessions\x12\'.specdec.drafter.v1.ListSessionsRequest\x1a(.specdec.drafter.v1.ListSessionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$specdec/api/drafter/v1/drafter.proto\x12\x12specdec.drafter.v1\x1a\"specdec/api/common/v1/common.proto\"\xf9\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.specdec.common.v1.SamplingParams\x12-\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1b.specdec.common.v1.Features\x12\x1a\n\rdraw_position\x18\x08 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_draw_positionJ\x04\x08\x06\x10\x07\"c\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\x02qs\x18\x04 \x03(\x0b\x32%.specdec.common.v1.SparseDistributionJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"B\n\x14GetModelInfoResponse\x12*\n\x04info\x18\x01 \x01(\x0b\x32\x1c.specdec.common.v1.ModelInfo\"\x15\n\x13ListSessionsRequest\"H\n\x14ListSessionsResponse\x12\x30\n\x08sessions\x18\x01 \x03(\x0b\x32\x1e.specdec.common.v1.SessionInfo2\x8f\x03\n\x0e\x44rafterService\x12T\n\x07Propose\x12\".specdec.drafter.v1.ProposeRequest\x1a#.specdec.drafter.v1.ProposeResponse0\x01\x12\x61\n\x0c\x43loseSession\x12\'.specdec.drafter.v1.CloseSessionRequest\x1a(.specdec.drafter.v1.CloseSessionResponse\x12\x61\n\x0cGetModelInfo\x12\'.specdec.drafter.v1.GetModelInfoRequest\x1a(.specdec.drafter.v1.GetModelInfoResponse\x12\x61\n\x0cListSessions\x12\'.specdec.drafter.v1.ListSessionsRequest\x1a(.specdec.drafter.v1.ListSessionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.api.drafter.v1.draf
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEREQUEST']._serialized_start=97
-  _globals['_PROPOSEREQUEST']._serialized_end=300
-  _globals['_PROPOSERESPONSE']._serialized_start=302
-  _globals['_PROPOSERESPONSE']._serialized_end=401
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=403
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=444
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=446
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=484
-  _globals['_GETMODELINFOREQUEST']._serialized_start=486
-  _globals['_GETMODELINFOREQUEST']._serialized_end=507
-  _globals['_GETMODELINFORESPONSE']._serialized_start=509
-  _globals['_GETMODELINFORESPONSE']._serialized_end=575
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=577
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=598
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=600
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=672
-  _globals['_DRAFTERSERVICE']._serialized_start=675
-  _globals['_DRAFTERSERVICE']._serialized_end=1074
+  _globals['_PROPOSEREQUEST']._serialized_end=346
+  _globals['_PROPOSERESPONSE']._serialized_start=348
+  _globals['_PROPOSERESPONSE']._serialized_end=447
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=449
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=490
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=492
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=530
+  _globals['_GETMODELINFOREQUEST']._serialized_start=532
+  _globals['_GETMODELINFOREQUEST']._serialized_end=553
+  _globals['_GETMODELINFORESPONSE']._serialized_start=555
+  _globals['_GETMODELINFORESPONSE']._serialized_end=621
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=623
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=644
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=646
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=718
+  _globals['_DRAFTERSERVICE']._serialized_start=721
+  _globals['_DRAFTERSERVICE']._serialized_end=1120
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "start", "new_tokens", "num_draft_tokens", "sampling", "features")
+    __slots__ = ("session_id", "start", "new_tokens", "num_draft_tokens", "sampling", "features", "draw_position")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    DRAW_POSITION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     sampling: _common_pb2.SamplingParams
     features: _common_pb2.Features
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    draw_position: int
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., draw_position: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("token_ids", "qs")
