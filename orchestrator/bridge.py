@@ -44,6 +44,11 @@ def _byte_level_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars)}
 
 
+def _fallback_ids(tokenizer) -> set[int]:
+    """A SentencePiece vocabulary's byte-fallback pieces (<0xNN>)."""
+    return {i for piece, i in tokenizer.get_vocab().items() if _BYTE.match(piece)}
+
+
 def token_bytes(tokenizer) -> dict[int, bytes]:
     """Each ordinary token's bytes as text: byte-level BPE's alphabet read back, a
     SentencePiece "▁" a space and its <0xNN> pieces bytes; special tokens left out."""
@@ -64,23 +69,44 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
     return out
 
 
+def _special_ids(tokenizer) -> dict[str, int]:
+    """A tokenizer's special tokens (an end of turn, an end of text, ...) by their content."""
+    special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special.update(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))
+    return special
+
+
 class Bridge:
     """What carries a draft of the draft's tokenizer over to the target's: the two
-    tokenizers, and the tokens whose strings both vocabularies hold (draft id -> target id)."""
+    tokenizers, and the tokens whose strings both vocabularies hold (draft id -> target id;
+    several draft ids may stand for one target id: a SentencePiece "A" and its <0x41>)."""
 
     def __init__(self, target_tokenizer, draft_tokenizer):
         self.target, self.draft = target_tokenizer, draft_tokenizer
+        # Of the target's tokens of the same bytes, the one its tokenizer writes them as: an
+        # ordinary piece before a byte-fallback one (whose "A" the target seldom picks).
+        target_bytes, fallback = token_bytes(target_tokenizer), _fallback_ids(target_tokenizer)
         by_bytes = {}
-        for i, text in sorted(token_bytes(target_tokenizer).items()):
-            by_bytes.setdefault(text, i)
+        for i in sorted(target_bytes, key=lambda i: (i in fallback, i)):
+            by_bytes.setdefault(target_bytes[i], i)
         self.shared = {d: by_bytes[text] for d, text in token_bytes(draft_tokenizer).items() if text in by_bytes}
-        self.draft_of = {t: d for d, t in self.shared.items()}
-        self.draft_eos = {i for i in (draft_tokenizer.eos_token_id,) if i is not None}
+        # Special tokens carry no text: one the target holds too (by its content) carries over
+        # as the target's; any other ends the drafts (an end of turn is no text to draft).
+        target_special = _special_ids(target_tokenizer)
+        for content, d in _special_ids(draft_tokenizer).items():
+            if content in target_special:
+                self.shared[d] = target_special[content]
+        self.draft_stops = {d for d in _special_ids(draft_tokenizer).values() if d not in self.shared}
+        if draft_tokenizer.eos_token_id is not None and draft_tokenizer.eos_token_id not in self.shared:
+            self.draft_stops.add(draft_tokenizer.eos_token_id)
+        self.drafts_of: dict[int, list[int]] = {}
+        for d, t in self.shared.items():
+            self.drafts_of.setdefault(t, []).append(d)
 
     def draft_bias(self, bias) -> dict[int, float]:
         """A logit bias over the target's tokens, on the draft's tokens of the same text
         (a biased target's choices are the draft's to guess too)."""
-        return {self.draft_of[t]: b for t, b in bias.items() if t in self.draft_of}
+        return {d: b for t, b in bias.items() for d in self.drafts_of.get(t, ())}
 
     def encode_draft(self, text: str) -> list[int]:
         return self.draft(text, add_special_tokens=False)["input_ids"]
@@ -91,7 +117,7 @@ class Bridge:
         """Up to k drafts in the target's tokens after `context` (the committed history;
         `draft_context` the same in the draft's tokens), and their q where sampled."""
         for i, token in enumerate(drafts):
-            if token in self.draft_eos:
+            if token in self.draft_stops:
                 drafts, qs = drafts[:i], qs[:i]
                 break
         if qs:
@@ -103,11 +129,15 @@ class Bridge:
         for token, q in zip(drafts[:k], qs):
             if token not in self.shared:
                 break
-            kept = [(self.shared[t], p) for t, p in zip(q.token_ids, q.probs) if t in self.shared and p > 0]
-            mass = sum(p for _, p in kept)
+            # The mass of the draft's tokens of one target token is that token's.
+            kept: dict[int, float] = {}
+            for t, p in zip(q.token_ids, q.probs):
+                if t in self.shared and p > 0:
+                    kept[self.shared[t]] = kept.get(self.shared[t], 0.0) + p
+            mass = sum(kept.values())
             out.append(self.shared[token])
-            out_qs.append(common_pb2.SparseDistribution(token_ids=[t for t, _ in kept],
-                                                        probs=[p / mass for _, p in kept]))
+            out_qs.append(common_pb2.SparseDistribution(token_ids=list(kept),
+                                                        probs=[p / mass for p in kept.values()]))
         return out, out_qs
 
     def _retokenized(self, context: list[int], draft_context: list[int], drafts: list[int], k: int):

@@ -540,6 +540,11 @@ def _failure(label: str, err: ServiceError | grpc.aio.AioRpcError) -> tuple[grpc
     if isinstance(err, ServiceError):  # the request's own fault, found as it ran (a grammar over its bounds)
         log.info("[%s] refused while running: %s", label, err)
         return err.code, str(err)
+    if err.code() == grpc.StatusCode.INVALID_ARGUMENT and not (err.details() or "").startswith(CLIENTS_FIELDS):
+        # A field this orchestrator wrote (drafts, their q, positions): the fault is ours, not the client's.
+        log.error("[%s] a service refused a request of ours (a fault of ours, not the client's): %s", label,
+                  err.details())
+        return grpc.StatusCode.INTERNAL, f"internal error: a service refused a request of ours: {err.details()}"
     log.error("[%s] a service call failed: %s %s", label, err.code().name, err.details())
     # Bad input, a full verifier, a passed deadline and a service's own failure keep their
     # codes: the client should not retry the first, should back off on the second, knows
@@ -548,6 +553,12 @@ def _failure(label: str, err: ServiceError | grpc.aio.AioRpcError) -> tuple[grpc
                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
     status = err.code() if err.code() in passed_on else grpc.StatusCode.UNAVAILABLE
     return status, f"a service call failed: {err.details()}"
+
+
+# The fields of a service call that carry the client's own input as it sent it, which only
+# the services can judge (a grammar past its bounds as it runs): a refusal of one of these is
+# the client's; of any other field, ours.
+CLIENTS_FIELDS = ("constraint",)
 
 
 def chat_ids(tokenizer, chat: pb.Chat) -> list[int]:

@@ -86,7 +86,67 @@ def test_the_history_in_the_drafts_tokens_is_its_text_and_its_start_never_change
 
 def test_a_logit_bias_reaches_the_draft_on_its_tokens_of_the_same_text(bridge, smol_tokenizer):
     the, fox = smol_tokenizer.convert_tokens_to_ids("Ġthe"), smol_tokenizer.convert_tokens_to_ids("Ġfox")
-    lost = next(t for t in range(len(smol_tokenizer)) if t not in bridge.draft_of)
+    lost = next(t for t in range(len(smol_tokenizer)) if t not in bridge.drafts_of)
     bias = bridge.draft_bias({the: 2.0, fox: -1.0, lost: 5.0})
-    assert bias == {bridge.draft_of[the]: 2.0, bridge.draft_of[fox]: -1.0}
+    assert bias == {**{d: 2.0 for d in bridge.drafts_of[the]}, **{d: -1.0 for d in bridge.drafts_of[fox]}}
     assert all(bridge.shared[d] in (the, fox) for d in bias)
+
+
+def sentencepiece(pieces: list[str], special: tuple[str, ...] = ()):
+    """A SentencePiece-style tokenizer with byte fallback (Llama 2's, Gemma's): its pieces
+    in order, "<0xNN>" the bytes, "▁" a space; `special` added as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=list(special))
+
+
+def test_pieces_of_the_same_bytes_carry_over_as_one_target_token_with_their_mass(smol_tokenizer):
+    """A byte-fallback draft holds "A" twice (<0x41> and A): q names the target's "A" once,
+    with both pieces' mass (twice, the verifier refused the call)."""
+    draft = sentencepiece(["<unk>", "<0x41>", "A", "▁the"])
+    bridge = Bridge(smol_tokenizer, draft)
+    a, the = smol_tokenizer.convert_tokens_to_ids("A"), smol_tokenizer.convert_tokens_to_ids("Ġthe")
+    assert bridge.shared == {1: a, 2: a, 3: the}
+    q = common_pb2.SparseDistribution(token_ids=[1, 3, 2], probs=[0.25, 0.5, 0.25])
+    drafts, qs = bridge.to_target([], [], [1, 3], [q, q], k=2)
+    assert drafts == [a, the]
+    for carried in qs:
+        assert dict(zip(carried.token_ids, carried.probs)) == pytest.approx({a: 0.5, the: 0.5})
+    assert bridge.draft_bias({a: 1.0}) == {1: 1.0, 2: 1.0}  # whichever piece the draft would pick
+
+
+def test_a_target_with_byte_fallback_gets_the_piece_its_tokenizer_writes(draft_tokenizer):
+    """Of a target's "A" and <0x41>, a draft's "A" is the target's A: the one the target
+    picks (its <0x41> is for bytes no piece holds), so sampled single letters can pass."""
+    target = sentencepiece(["<unk>", "<0x41>", "<0x42>", "A"])
+    bridge = Bridge(target, draft_tokenizer)
+    a = draft_tokenizer.convert_tokens_to_ids("A")
+    assert bridge.shared[a] == 3 == target.convert_tokens_to_ids("A")
+    b = draft_tokenizer.convert_tokens_to_ids("B")
+    assert bridge.shared[b] == 2  # no piece but the byte's
+
+
+def test_a_drafted_special_token_ends_the_drafts_unless_the_target_holds_it(smol_tokenizer):
+    """An end of turn the target lacks (Gemma's <end_of_turn> drafted for SmolLM2) is no
+    text: greedy and sampled drafts stop before it. One the target holds as a special
+    token too (<|im_end|>) carries over as the target's."""
+    draft = sentencepiece(["<unk>", "▁the", "▁fox"], special=("<end_of_turn>", "<|im_end|>"))
+    bridge = Bridge(smol_tokenizer, draft)
+    end_of_turn, im_end = draft.convert_tokens_to_ids("<end_of_turn>"), draft.convert_tokens_to_ids("<|im_end|>")
+    the, fox = 1, 2
+    context = smol_tokenizer("The quick brown")["input_ids"]
+    draft_context = draft.encode("The quick brown", add_special_tokens=False)
+    greedy, _ = bridge.to_target(context, draft_context, [the, fox, end_of_turn, the], [], k=5)
+    assert smol_tokenizer.decode(greedy) == " the fox"
+    q = common_pb2.SparseDistribution(token_ids=[the, end_of_turn, im_end], probs=[0.5, 0.25, 0.25])
+    sampled, _ = bridge.to_target([], [], [the, end_of_turn], [q, q], k=2)
+    assert sampled == [bridge.shared[the]]
+    target_im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert bridge.shared[im_end] == target_im_end
+    sampled, qs = bridge.to_target([], [], [the, im_end], [q, q], k=2)
+    assert sampled == [bridge.shared[the], target_im_end]
+    assert dict(zip(qs[1].token_ids, qs[1].probs)) == pytest.approx({bridge.shared[the]: 2 / 3, target_im_end: 1 / 3})
