@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(p, "--target", env="SPECDEC_TARGET", default=defaults.DEFAULT_TARGET, help="target model")
     flags.add(p, "--draft", env="SPECDEC_DRAFT", default=defaults.DEFAULT_DRAFT,
               help='draft model (directory, hub id or .gguf), or "ngram" for prompt lookup')
+    flags.add(p, "--draft-tokenizer", env="SPECDEC_DRAFT_TOKENIZER", default="",
+              help="for a draft of another vocabulary than the target's: its tokenizer (a directory, hub id or "
+                   ".gguf file; default: the draft model's own)")
     flags.add(p, "--num-drafters", env="SPECDEC_NUM_DRAFTERS", type=int, default=1, help="drafter replicas")
     flags.add(p, "--port", env="SPECDEC_PORT", type=int, default=50051, help="the orchestrator's port")
     flags.add(p, "--logs", env="SPECDEC_LOGS", default="specdec-up.log",

@@ -83,8 +83,10 @@ VERIFIER_THREADS, DRAFTER_THREADS, DRAFTER_NICE = os.cpu_count() or 1, 1, 15
 def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "float32",
          device: str = "cpu", overlap: bool = False, verifier_flags: list[str] = (),
          drafter_flags: list[str] = (), admin_port: int | None = None, http_port: int | None = None,
-         drafter_device: str | None = None, drafter_dtype: str | None = None) -> list[Service]:
-    """The processes of one deployment; `draft` is "ngram" or a draft model, on
+         drafter_device: str | None = None, drafter_dtype: str | None = None,
+         draft_tokenizer: str = "") -> list[Service]:
+    """The processes of one deployment; `draft` is "ngram" or a draft model (of another
+    vocabulary than the target's: `draft_tokenizer` its tokenizer, if not its own), on
     `drafter_device` (default: the verifier's `device`) in `drafter_dtype` (default:
     drafter_dtype_for's). They share
     this machine's cores: the verifier's passes get all of them, each drafter's one, at
@@ -116,6 +118,8 @@ def plan(target: str, draft: str, num_drafters: int, port: int, dtype: str = "fl
                          "--http-port", str(orchestrator.http_port),
                          "--verifiers", verifier.address, "--drafters", ",".join(d.address for d in drafters),
                          "--tokenizer", target, "--overlap" if overlap else "--no-overlap"]
+    if draft_tokenizer:
+        orchestrator.argv += ["--draft-tokenizer", draft_tokenizer]
     services = [verifier, *drafters, orchestrator]
     for service in services:
         service.metrics_port = free_port()
@@ -219,7 +223,7 @@ def up(args) -> int:
     services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device or "cpu",
                     args.overlap, verifier_flags=verifier_flags, drafter_flags=drafter_flags,
                     admin_port=args.admin_port, http_port=args.http_port, drafter_device=args.drafter_device,
-                    drafter_dtype=args.drafter_dtype)
+                    drafter_dtype=args.drafter_dtype, draft_tokenizer=args.draft_tokenizer)
     stopping = False
 
     def on_signal(signum, frame):

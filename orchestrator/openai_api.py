@@ -228,6 +228,7 @@ class OpenAIFront:
             generate.text = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
+            self._check_ids(prompt)
             generate.token_ids.ids.extend(prompt)
         else:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "prompt: one string or one list of token ids", "prompt")
@@ -246,6 +247,16 @@ class OpenAIFront:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be >= 1 (0 only with echo)",
                           "max_tokens")
         return await self._respond(request, body, generate, chat=False, echo=echo)
+
+    def _check_ids(self, prompt: list[int]) -> None:
+        """A prompt of token ids: each in the target's vocabulary (before echo decodes them)."""
+        if self.servicer.tokenizer is None:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "still starting: waiting for the verifier")
+        vocab = self.servicer.info.vocab_size
+        for i, token in enumerate(prompt):
+            if not 0 <= token < vocab:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"prompt: token id {token} at [{i}] is outside the vocabulary [0, {vocab})", "prompt")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)

@@ -86,6 +86,19 @@ def test_the_gpu_flags_of_a_deployment_go_where_they_apply():
     assert (parsed.cuda_graphs, parsed.batch_invariant) == ("off", 0)
 
 
+def test_up_passes_a_drafts_tokenizer_to_the_orchestrator():
+    """`specdec up --draft-tokenizer`, which the orchestrator's refusal of a draft of
+    another vocabulary whose tokenizer is not at hand tells the user to pass."""
+    from deploy import cli
+    from orchestrator.server import build_parser
+
+    for argv, want in ((["up", "--draft-tokenizer", "draft-tok-dir"], "draft-tok-dir"), (["up"], "")):
+        args = cli.build_parser().parse_args(argv)
+        *_, orchestrator = launch.plan(args.target, args.draft, 1, launch.free_port(),
+                                       draft_tokenizer=args.draft_tokenizer)
+        assert build_parser().parse_args(orchestrator.argv[3:]).draft_tokenizer == want
+
+
 def test_the_drafters_run_on_their_own_device_beside_the_verifiers():
     """`specdec up --device cuda --drafter-device cpu`: the verifier on the GPU, the
     drafters on this machine's cores (a drafter node beside a GPU server); without the

@@ -352,9 +352,13 @@ def _post(port: int, path: str, body: str, timeout: float = 30) -> tuple[int, by
     ('"temperature": 1e400', "temperature"),
     ('"top_p": 1e400', "top_p"),
     ('"logit_bias": {"\\u00b2": 1}', "logit_bias"),
+    ('"prompt": [1, 2147483648]', "prompt"),  # the JSON's last "prompt" wins
+    ('"prompt": [1, -1], "echo": true, "logprobs": 1, "max_tokens": 0', "prompt"),
+    ('"prompt": [1, 49152], "echo": true, "logprobs": 1, "max_tokens": 0', "prompt"),
 ])
 def test_numbers_out_of_range_are_400s_naming_the_field(api, fields, param):
-    """Each was a 500 (ValueError on the protobuf field, OverflowError, int("²"))."""
+    """Each was a 500 (ValueError on the protobuf field, OverflowError, int("²"), the
+    tokenizer's decode of an id it lacks, for echo)."""
     import json
     import time
     _, _, _, port = api
