@@ -5,6 +5,7 @@ metrics and exactness. Errors come in OpenAI's shape. Beyond OpenAI's fields, a 
 may carry `top_k`, `repetition_penalty` (vLLM's) and `specdec: {"num_speculative_tokens": K}`; every response carries
 `specdec`: the request's speculation statistics."""
 
+import codecs
 import contextlib
 from dataclasses import dataclass, field
 import json
@@ -17,6 +18,7 @@ import uuid
 import grpc
 from aiohttp import web
 
+from orchestrator.bridge import token_bytes
 from specdec import grammar, security
 from specdec.errors import ServiceError
 from specdec.grammar import JSON_OPTIONS as JSON_SHAPE
@@ -58,9 +60,20 @@ AS_DEFAULT = {"best_of": (1,), "suffix": ("",),
 @dataclass
 class Echo:
     """A completion's prompt, sent back before its text (`echo`): as the client wrote it,
-    and as the target's tokens."""
+    and as the target's tokens; `unwritten`: those the tokenizer added, which stand for no
+    text of it (a BOS)."""
     text: str
     ids: list[int]
+    unwritten: set[int] = field(default_factory=set)
+
+
+def _unwritten(full: list[int], plain: list[int]) -> set[int]:
+    """The positions of `full` (a text's tokens with the tokenizer's own added) that
+    `plain` (without them) lacks: a prefix and a suffix."""
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return set(range(start)) | set(range(start + len(plain), len(full)))
+    return set()
 
 
 class Refused(Exception):
@@ -142,6 +155,7 @@ class OpenAIFront:
     def __init__(self, servicer, model_name: str, tokens: list[bytes]):
         self.servicer, self.model_name, self.tokens = servicer, model_name, tokens
         self.created = int(time.time())
+        self._token_bytes: dict[int, bytes] | None = None  # the target's tokens' bytes, read at the first use
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.guard], client_max_size=4 * 1024 * 1024)
@@ -238,9 +252,12 @@ class OpenAIFront:
             # the target's own, with or without speculation. max_tokens 0: those alone.
             if generate.logprobs and _field(body, "stream", bool, False):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "echo: with logprobs, not streamed", "echo")
-            text = prompt if isinstance(prompt, str) else self.servicer.tokenizer.decode(prompt)
-            ids = self.servicer.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
-            echo = Echo(text, ids)
+            tokenizer = self.servicer.tokenizer
+            if isinstance(prompt, str):
+                ids = tokenizer(prompt)["input_ids"]
+                echo = Echo(prompt, ids, _unwritten(ids, tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+            else:
+                echo = Echo(tokenizer.decode(prompt), list(prompt))
             nothing_new = generate.HasField("max_new_tokens") and generate.max_new_tokens == 0
             generate.prompt_logprobs = generate.logprobs or nothing_new
         elif generate.HasField("max_new_tokens") and generate.max_new_tokens == 0:
@@ -336,30 +353,47 @@ class OpenAIFront:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
             choice["logprobs"] = self._logprobs(logprobs, chat) if asked else None
         else:
-            prompt = None if echo is None else (echo.ids, result.prompt_logprobs)
             choice.update(text=(echo.text if echo else "") + "".join(text),
-                          logprobs=self._logprobs(logprobs, chat, prompt) if asked else None)
+                          logprobs=self._logprobs(logprobs, chat, echo, result.prompt_logprobs) if asked else None)
         return choice, result
 
-    def _logprobs(self, entries, chat: bool, prompt: tuple[list[int], list] | None = None) -> dict:
+    def _bytes(self, i: int) -> bytes:
+        """A token's bytes: its piece's, whole or part of a character (a special token's: its content)."""
+        if self._token_bytes is None:
+            self._token_bytes = token_bytes(self.servicer.tokenizer)
+        found = self._token_bytes.get(i)
+        return found if found is not None else self.servicer.tokenizer.decode([i]).encode()
+
+    def _token(self, i: int) -> str:
+        """A token as OpenAI writes it: its text, or where its bytes are part of a character
+        (a character split across tokens), "bytes:" and the bytes."""
+        piece = self._bytes(i)
+        try:
+            return piece.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+    def _logprobs(self, entries, chat: bool, echo: Echo | None = None, scored=()) -> dict:
         """OpenAI's logprobs object: chat's `content` list, or completions' four lists;
         these after the prompt's (its token ids and the log-probabilities of those after
-        the first, which has none: null) where it is echoed."""
-        def token(i: int) -> str:
-            return self.servicer.tokenizer.decode([i])
-
+        the first, which has none: null) where it is echoed. A token's text_offset is where
+        its text starts in the choice's text: a token the tokenizer added stands for none."""
+        token = self._token
         if chat:
             return {"content": [
-                {"token": token(e.token_id), "logprob": e.logprob, "bytes": list(token(e.token_id).encode()),
-                 "top_logprobs": [{"token": token(i), "logprob": v, "bytes": list(token(i).encode())}
+                {"token": token(e.token_id), "logprob": e.logprob, "bytes": list(self._bytes(e.token_id)),
+                 "top_logprobs": [{"token": token(i), "logprob": v, "bytes": list(self._bytes(i))}
                                   for i, v in zip(e.top_token_ids, e.top_logprobs)]} for e in entries],
                 "refusal": None}
-        ids, scored = prompt if prompt is not None else ([], [])
-        tokens = [token(i) for i in ids] + [token(e.token_id) for e in entries]
-        offsets, at = [], 0
-        for t in tokens:
+        ids, unwritten = (echo.ids, echo.unwritten) if echo is not None else ([], set())
+        every = list(ids) + [e.token_id for e in entries]
+        tokens = [token(i) for i in every]
+        # Characters counted as they complete: one split across tokens counts at its last byte.
+        characters, offsets, at = codecs.getincrementaldecoder("utf-8")("replace"), [], 0
+        for n, i in enumerate(every):
             offsets.append(at)
-            at += len(t)
+            if n not in unwritten:
+                at += len(characters.decode(self._bytes(i)))
         entries = list(scored) + list(entries)
         first = [None] if ids else []
         return {"tokens": tokens, "token_logprobs": first + [e.logprob for e in entries],
