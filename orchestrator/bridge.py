@@ -173,16 +173,28 @@ class Aligned:
             self.stable, self.stable_ids = 0, []
         if len(history) - self.stable > 2 * CHUNK:
             cut = self._cut(history, len(history) - CHUNK)
-            self.stable_ids = self.stable_ids + self.bridge.encode_draft(
-                self.bridge.target.decode(history[self.stable:cut]))
+            self.stable_ids = self.stable_ids + self.bridge.encode_draft(self._text(history, self.stable, cut))
             self.stable = cut
-        return self.stable_ids + self.bridge.encode_draft(self.bridge.target.decode(history[self.stable:]))
+        return self.stable_ids + self.bridge.encode_draft(self._text(history, self.stable, len(history)))
+
+    def _text(self, history: list[int], start: int, end: int) -> str:
+        """The text of history[start:end] as it reads after what precedes it: decoded
+        alone, a run of tokens can read otherwise (a SentencePiece decoder strips the
+        space its first token starts with)."""
+        target, before = self.bridge.target, history[max(0, start - 8):start]
+        head, whole = target.decode(before), target.decode(before + history[start:end])
+        return whole[len(head):] if whole.startswith(head) else target.decode(history[start:end])
 
     def _cut(self, history: list[int], at: int) -> int:
         """A position near `at` whose token starts with a space (a word's start, where
-        tokenizers split text anyway), else `at`."""
-        for i in range(at, max(self.stable + 1, at - 16), -1):
-            if self.bridge.target.decode(history[i:i + 1]).startswith((" ", "\n")):
+        tokenizers split text anyway), else one where a character ends (text without
+        spaces: a cut inside a character would keep its part as U+FFFD)."""
+        lowest = max(self.stable + 1, at - 16)
+        for i in range(at, lowest, -1):
+            if self._text(history, i, i + 1).startswith((" ", "\n")):
+                return i
+        for i in range(at, lowest, -1):
+            if not self.bridge.target.decode(history[max(0, i - 8):i]).endswith("\ufffd"):
                 return i
         return at
 

@@ -84,6 +84,42 @@ def test_the_history_in_the_drafts_tokens_is_its_text_and_its_start_never_change
     assert aligned.kept(drafted + [1]) == len(drafted) and aligned.kept(drafted[:3] + [-1]) == 3
 
 
+def stripping_tokenizer():
+    """A SentencePiece-style tokenizer trained here whose decoder strips the text's
+    leading space (Llama 2's, Mistral's): a run of its tokens decoded alone loses the
+    space its first token starts with."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([TEXT] * 50, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"],
+                                                             initial_alphabet=["▁"] + list(set(TEXT))))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("target, text", [("stripping", TEXT * 8), ("smol", "敏捷的棕色狐狸跳过了懒狗。" * 40)])
+def test_the_history_in_the_drafts_tokens_is_its_text_wherever_its_chunks_are_cut(
+        smol_tokenizer, draft_tokenizer, target, text):
+    """The history's chunks tokenized for the draft are its text as it reads there: not
+    without the space a stripping decoder takes off a chunk's start, and not cut inside a
+    character where the text has no spaces (CJK: a cut inside a character kept U+FFFD in
+    the stable tokens for good)."""
+    target_tokenizer = stripping_tokenizer() if target == "stripping" else smol_tokenizer
+    aligned = Aligned(Bridge(target_tokenizer, draft_tokenizer))
+    history = target_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(history) > 4 * CHUNK
+    for end in range(1, len(history) + 1, 5):
+        drafted = aligned.draft_history(history[:end])
+        want = target_tokenizer.decode(history[:end])
+        assert draft_tokenizer.decode(drafted) == want.rstrip("\ufffd") or "\ufffd" in want[-1:]
+    assert aligned.stable > CHUNK
+    assert draft_tokenizer.decode(aligned.draft_history(history)) == target_tokenizer.decode(history)
+    assert "\ufffd" not in draft_tokenizer.decode(aligned.stable_ids)
+
+
 def test_a_logit_bias_reaches_the_draft_on_its_tokens_of_the_same_text(bridge, smol_tokenizer):
     the, fox = smol_tokenizer.convert_tokens_to_ids("Ġthe"), smol_tokenizer.convert_tokens_to_ids("Ġfox")
     lost = next(t for t in range(len(smol_tokenizer)) if t not in bridge.drafts_of)
