@@ -47,12 +47,22 @@ def _default_target_file() -> Path:
     return Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE
 
 
+_digests: dict[tuple, str] = {}
+
+
 def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
+    """The file's content hash, read once a process while the file stays as it was (a
+    start names a GGUF file several times: its tokenizer, its model, its blocks; a
+    reading of the 1.5B file of the real pair takes about 2 s)."""
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if key not in _digests:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _digests[key] = digest.hexdigest()[:16]
+    return _digests[key]
 
 
 @contextlib.contextmanager

@@ -36,3 +36,25 @@ def test_borrowing_directory_is_assembled_and_follows_its_files(tiny_pair, tmp_p
     assert model_files.resolve(str(partial)) != first
     model, _ = modeling.load_model(str(partial))
     assert modeling.restrict_output(model, str(partial)).tolist() == [0, 2, 5]
+
+
+def test_a_files_digest_is_read_once_while_it_stays_as_it_was(tmp_path, monkeypatch):
+    """A start names a GGUF file several times (its tokenizer, its model, its blocks):
+    its content is hashed once, and again only where the file changed."""
+    import hashlib
+
+    from specdec import model_files
+
+    reads, sha256 = [], hashlib.sha256
+
+    def counted(*args):
+        reads.append(1)
+        return sha256(*args)
+
+    monkeypatch.setattr(model_files.hashlib, "sha256", counted)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(4096))
+    first = model_files._file_digest(path)
+    assert model_files._file_digest(path) == first and len(reads) == 1
+    path.write_bytes(b"GGUF" + bytes(4097))
+    assert model_files._file_digest(path) != first and len(reads) == 2

@@ -91,9 +91,12 @@ def test_layers_that_share_an_input_give_what_they_give_apart(bias, monkeypatch)
     assert attention.shared_q_k_v.input is None  # nothing held between passes
 
 
-@pytest.mark.parametrize("suite", ["specdec/test_engine.py", "e2e/test_exact.py", "e2e/test_concurrent.py"])
-def test_suite_with_int8(suite):
+def test_suites_with_int8():
+    """The engine's and the services' exactness suites again, the services and the
+    references under int8; in one run, so that the e2e suites share one start of their
+    deployment (tests/e2e/conftest.py's, package-scoped) and the session's models."""
     env = {**os.environ, "SPECDEC_TEST_QUANTIZE": "int8"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(TESTS / suite)],
-                          env=env, capture_output=True, text=True, timeout=1200)
+    suites = [str(TESTS / suite) for suite in ("specdec/test_engine.py", "e2e/test_exact.py", "e2e/test_concurrent.py")]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *suites],
+                          env=env, capture_output=True, text=True, timeout=2400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
