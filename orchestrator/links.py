@@ -217,7 +217,8 @@ class VerifierLink:
                     sampling=self.params, max_tokens=max_tokens - len(got), stop_token_ids=sorted(stop),
                     features=self.features and self.features.request(len(sent)), draft_forced=draft_forced,
                     draft_lookup=draft_lookup, **self._session_fields())
-                call = stub.Decode(_sent(request, offers), timeout=self.deadline.timeout(self.timeout_s),
+                ended = asyncio.Event()
+                call = stub.Decode(_sent(request, offers, ended), timeout=self.deadline.timeout(self.timeout_s),
                                    metadata=self.metadata + tracing.headers())
                 async for message in call:
                     got.append(message.token_id)
@@ -238,6 +239,7 @@ class VerifierLink:
                 continue
             finally:
                 if call is not None:
+                    ended.set()  # its request iterator takes no more offers: they are the next call's
                     call.cancel()  # a no-op after the end; if the caller stopped reading, the verifier stops
             return
 
@@ -256,10 +258,24 @@ class VerifierLink:
             self.pool.release(replica)
 
 
-async def _sent(request: verifier_pb2.DecodeRequest, offers: "asyncio.Queue | None"):
-    """A run's messages: its request, then each offer as it comes, until None."""
+async def _sent(request: verifier_pb2.DecodeRequest, offers: "asyncio.Queue | None", ended: asyncio.Event):
+    """A run's messages: its request, then each offer as it comes, until None, or until
+    its call `ended` (grpc.aio does not cancel a finished call's request iterator: it would
+    take a retried call's offers, and the None that ends its stream)."""
     yield request
-    while offers is not None and (offer := await offers.get()) is not None:
+    while offers is not None and not ended.is_set():
+        taking, ending = asyncio.ensure_future(offers.get()), asyncio.ensure_future(ended.wait())
+        await asyncio.wait((taking, ending), return_when=asyncio.FIRST_COMPLETED)
+        ending.cancel()
+        if not taking.done():
+            taking.cancel()
+            return
+        offer = taking.result()
+        if ended.is_set():
+            offers.put_nowait(offer)  # taken as the call ended: the next call's
+            return
+        if offer is None:
+            return
         yield verifier_pb2.DecodeRequest(offer=offer)
 
 

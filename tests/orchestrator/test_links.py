@@ -260,3 +260,55 @@ def test_a_decode_the_caller_stops_reading_is_cancelled():
 
     assert asyncio.run(go()) == 5
     assert stub.calls[0].cancelled and link.synced == 3
+
+
+def test_a_retried_run_gets_the_offers_and_the_end_of_its_stream():
+    """A run (Decode, a two-way stream) that fails is called again; in grpc.aio, a finished
+    call's request iterator is not cancelled with it, so it went on taking the offers meant
+    for the new call, and the closing None: the new call's stream was never half-closed and
+    the run never ended. A real gRPC server, whose first run fails after one token."""
+    from specdec.api.verifier.v1 import verifier_pb2_grpc
+
+    class Runs(verifier_pb2_grpc.VerifierServiceServicer):
+        def __init__(self):
+            self.calls, self.offers = 0, []
+
+        async def Decode(self, request_iterator, context):
+            self.calls += 1
+            first = await request_iterator.__anext__()
+            yield verifier_pb2.DecodeResponse(token_id=len(first.new_tokens) + first.start)
+            if self.calls == 1:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "stopping")
+            async for message in request_iterator:  # to its end: the caller's half-close
+                self.offers.append(list(message.offer.tokens))
+            yield verifier_pb2.DecodeResponse(token_id=99)
+
+    async def go():
+        server = grpc.aio.server()
+        runs = Runs()
+        verifier_pb2_grpc.add_VerifierServiceServicer_to_server(runs, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            link = VerifierLink(OnePool(stub), "s", [1, 2, 3], PARAMS, Stats(), timeout_s=60)
+            offers: asyncio.Queue = asyncio.Queue()
+            got = []
+
+            async def read():
+                async for step in link.decode([1, 2, 3], 3, stop=set(), offers=offers):
+                    got.append(step.token)
+                    if len(got) == 2:  # the second call's first token: offer to it, then close its stream
+                        offers.put_nowait(verifier_pb2.DraftOffer(position=5, tokens=[7]))
+                        offers.put_nowait(None)
+
+            await asyncio.wait_for(read(), timeout=10)
+            await channel.close()
+            return runs, got
+        finally:
+            await server.stop(0)
+
+    runs, got = asyncio.run(go())
+    assert runs.calls == 2 and got == [3, 4, 99]
+    assert runs.offers == [[7]]  # the offer reached the run it was meant for
