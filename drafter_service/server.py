@@ -8,7 +8,7 @@ import contextlib
 import logging
 
 from specdec import features, flags, logs, model_files, sampling_params, server, session_service, tracing
-from specdec.runtime import eagle, modeling
+from specdec.runtime import eagle, modeling, serving
 from specdec.api.common.v1 import common_pb2
 from specdec.api.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.errors import InvalidArgument, ServiceError, abort
@@ -87,7 +87,7 @@ class DrafterServicer(session_service.SessionServicer, drafter_pb2_grpc.DrafterS
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-drafter", description=__doc__)
-    flags.add_server_flags(parser, "SPECDEC_DRAFTER", default_port=50052)
+    server.add_server_flags(parser, "SPECDEC_DRAFTER", default_port=50052)
     flags.add(parser, "--proposer", env="SPECDEC_DRAFTER_PROPOSER", default="hybrid",
               choices=["model", "ngram", "hybrid"],
               help="model: a small causal LM (--model); ngram: prompt lookup, no model; hybrid: prompt lookup "
@@ -132,7 +132,7 @@ def make_proposer(args, metrics=None) -> Proposer:
     else:
         model, tokenizer = modeling.load_model(args.model, args.dtype, args.device)
         output_ids = modeling.restrict_output(model, args.model)
-        proposer = ModelProposer(session_service.engine(model, args, metrics), tokenizer, args.model,
+        proposer = ModelProposer(serving.engine(model, args, metrics), tokenizer, args.model,
                                  args.max_draft_support, output_ids)
     return proposer
 
@@ -161,7 +161,7 @@ def reported(proposer: Proposer, args) -> common_pb2.ModelInfo:
 async def serve(args, on_listen=None) -> None:
     lookup_rule(args)  # a bad rule is refused before the model loads
     tracing.setup("drafter", args.otlp_endpoint)
-    session_service.prepare_process(args)  # before the model loads (see there)
+    serving.prepare_process(args)  # before the model loads (see there)
     servicer = DrafterServicer()
     metrics = EngineMetrics("drafter")
     metrics.serve(args.host, args.metrics_port)

@@ -581,7 +581,7 @@ def chat_ids(tokenizer, chat: pb.Chat) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-orchestrator", description=__doc__)
-    flags.add_server_flags(parser, "SPECDEC_ORCHESTRATOR", default_port=50051)
+    server.add_server_flags(parser, "SPECDEC_ORCHESTRATOR", default_port=50051)
     add = flags.add
     add(parser, "--admin-host", env="SPECDEC_ORCHESTRATOR_ADMIN_HOST", default="127.0.0.1",
         help="address the admin service (scaling, drafter and request listings) binds; loopback keeps it "

@@ -51,26 +51,6 @@ def env_names(parser: argparse.ArgumentParser) -> set[str]:
     return {a.env for a in parser._actions if hasattr(a, "env")}
 
 
-def add_server_flags(parser: argparse.ArgumentParser, prefix: str, default_port: int) -> None:
-    """Flags every service has: where to listen, and logging."""
-    add(parser, "--host", env=f"{prefix}_HOST", default="127.0.0.1",
-        help="address to bind; 0.0.0.0 to serve other machines")
-    add(parser, "--port", env=f"{prefix}_PORT", type=int, default=default_port, help="gRPC port")
-    add(parser, "--log-level", env=f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
-    add(parser, "--log-format", env=f"{prefix}_LOG_FORMAT", default="text", choices=["text", "json"],
-        help="json: one object per line, with the request id and session id on a request's lines")
-    add(parser, "--metrics-port", env=f"{prefix}_METRICS_PORT", type=int, default=0,
-        help="HTTP port of Prometheus metrics (/metrics), on --host; 0: none")
-    add(parser, "--otlp-endpoint", env=f"{prefix}_OTLP_ENDPOINT", default="",
-        help="host:port of an OpenTelemetry collector (OTLP/gRPC) to send traces to; empty: no traces")
-    add(parser, "--shutdown-grace", env=f"{prefix}_SHUTDOWN_GRACE", type=float, default=30.0,
-        help="seconds calls in flight get to finish after SIGTERM (keep it below Kubernetes' "
-             "terminationGracePeriodSeconds)")
-    from specdec import security
-
-    security.add_server_flags(parser, prefix)
-
-
 def add_session_service_flags(parser: argparse.ArgumentParser, prefix: str) -> None:
     """Flags of the services that load a model and keep sessions (drafter, verifier)."""
     add(parser, "--dtype", env=f"{prefix}_DTYPE", default="float32", choices=["float32", "float16", "bfloat16"],

@@ -3,6 +3,7 @@ is loaded and warmed), reflection, security, and a graceful stop on SIGTERM. Wha
 services that run a model share besides (their engine, their sessions) is in
 specdec.session_service: the orchestrator serves without the model runtime."""
 
+import argparse
 import asyncio
 import contextlib
 import inspect
@@ -18,7 +19,28 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec import flags, security as transport
 from specdec.wire import MAX_MESSAGE_BYTES, message_options
+
+
+def add_server_flags(parser: argparse.ArgumentParser, prefix: str, default_port: int) -> None:
+    """Flags every service has: where to listen, logging, and transport security."""
+    add = flags.add
+    add(parser, "--host", env=f"{prefix}_HOST", default="127.0.0.1",
+        help="address to bind; 0.0.0.0 to serve other machines")
+    add(parser, "--port", env=f"{prefix}_PORT", type=int, default=default_port, help="gRPC port")
+    add(parser, "--log-level", env=f"{prefix}_LOG_LEVEL", default="INFO", help="logging level")
+    add(parser, "--log-format", env=f"{prefix}_LOG_FORMAT", default="text", choices=["text", "json"],
+        help="json: one object per line, with the request id and session id on a request's lines")
+    add(parser, "--metrics-port", env=f"{prefix}_METRICS_PORT", type=int, default=0,
+        help="HTTP port of Prometheus metrics (/metrics), on --host; 0: none")
+    add(parser, "--otlp-endpoint", env=f"{prefix}_OTLP_ENDPOINT", default="",
+        help="host:port of an OpenTelemetry collector (OTLP/gRPC) to send traces to; empty: no traces")
+    add(parser, "--shutdown-grace", env=f"{prefix}_SHUTDOWN_GRACE", type=float, default=30.0,
+        help="seconds calls in flight get to finish after SIGTERM (keep it below Kubernetes' "
+             "terminationGracePeriodSeconds)")
+    transport.add_server_flags(parser, prefix)
+
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""What the services that run a model (the drafter and the verifier) share: the process
-set up before the model loads, the model's batching engine, and the servicer of their
-sessions (health, model info, close, list)."""
+"""What the services that run a model (the drafter and the verifier) share: the servicer
+of their sessions (health, model info, close, list). It stands on no model runtime: the
+engine it serves comes from specdec.runtime.serving."""
 
 import asyncio
 import contextlib
@@ -9,36 +9,11 @@ import time
 
 from specdec import logs, server
 from specdec.api.common.v1 import common_pb2
-from specdec.runtime.engine import Engine, one_thread_outside_engines, reproducible_blas
 from specdec.errors import RESYNC_DETAIL, Internal, ServiceError, Unavailable, abort
-from specdec.runtime.quantize import quantize
 from specdec.sessions import Session, SessionStore
 from specdec.wire import SERVICE_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
-
-
-def prepare_process(args) -> None:
-    """What a session service's process sets before its model loads: its threads outside
-    the engine on one core each, and, for batch-invariant passes, MKL's reproducible mode
-    (see each)."""
-    one_thread_outside_engines()
-    if args.batch_invariant:
-        reproducible_blas()
-
-
-def engine(model, args, metrics=None) -> Engine:
-    """The model's batching engine, sized by the session-service flags (and the model
-    quantized as they say: the drafter cuts its output head first). --cuda-graphs is for
-    a model on a GPU: a deployment passes it to every service, and one whose model is on a
-    CPU runs its passes the usual way (the same padded passes, run eagerly, are slower)."""
-    graphs = args.cuda_graphs
-    if graphs != "off" and model.device.type != "cuda":
-        log.warning("--cuda-graphs %s: the model is on %s, its passes run the usual way", graphs, model.device)
-        graphs = "off"
-    return Engine(quantize(model, args.quantize), args.kv_cache_bytes, args.max_batch_rows, args.max_batch_tokens,
-                  args.max_waiting_sessions, threads=args.threads, metrics=metrics, prefix_caching=args.prefix_caching,
-                  cuda_graphs=graphs, batch_invariant=args.batch_invariant)
 
 
 class SessionServicer:
@@ -54,9 +29,9 @@ class SessionServicer:
     def __init__(self):
         self.info: common_pb2.ModelInfo | None = None
         self.store: SessionStore | None = None
-        self.engine: Engine | None = None
+        self.engine = None  # the model's batching engine (specdec.runtime.engine.Engine), once ready
 
-    def ready(self, info: common_pb2.ModelInfo, store: SessionStore, metrics=None, engine: Engine | None = None) -> None:
+    def ready(self, info: common_pb2.ModelInfo, store: SessionStore, metrics=None, engine=None) -> None:
         self.info, self.store, self.engine = info, store, engine
         if metrics is not None:
             metrics.sessions.set_function(lambda: len(store))

@@ -11,7 +11,7 @@ import math
 import torch
 
 from specdec import flags, grammar, logs, sampling_params, server, session_service, tracing
-from specdec.runtime import modeling
+from specdec.runtime import modeling, serving
 from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.metrics import EngineMetrics
 from specdec.sessions import SessionStore
@@ -236,7 +236,7 @@ class VerifierServicer(session_service.SessionServicer, verifier_pb2_grpc.Verifi
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-verifier", description=__doc__)
-    flags.add_server_flags(parser, "SPECDEC_VERIFIER", default_port=50053)
+    server.add_server_flags(parser, "SPECDEC_VERIFIER", default_port=50053)
     flags.add(parser, "--model", env="SPECDEC_VERIFIER_MODEL", default=modeling.DEFAULT_TARGET,
               help="target model: a directory, a hub id, a .gguf file, or the embedded default")
     flags.add_session_service_flags(parser, "SPECDEC_VERIFIER")
@@ -249,14 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(args, on_listen=None) -> None:
     tracing.setup("verifier", args.otlp_endpoint)
-    session_service.prepare_process(args)  # before the model loads (see there)
+    serving.prepare_process(args)  # before the model loads (see there)
     servicer = VerifierServicer()
     metrics = EngineMetrics("verifier")
     metrics.serve(args.host, args.metrics_port)
 
     async def load():
         model, tokenizer = await asyncio.to_thread(modeling.load_model, args.model, args.dtype, args.device)
-        engine = session_service.engine(model, args, metrics)
+        engine = serving.engine(model, args, metrics)
         info = modeling.model_info(model, tokenizer, args.model, "target")
         info.numerics = engine.numerics
         info.num_layers, info.hidden_size = model.config.num_hidden_layers, model.config.hidden_size

@@ -206,10 +206,10 @@ def bits_apart(model, invariant: int) -> tuple[int, int, int]:
 
 def bits_apart_as_a_service(dtype: str, invariant: int) -> tuple[int, int, int]:
     """bits_apart in a fresh process, set up as a session service started with
-    --batch-invariant sets up its own (session_service.prepare_process: MKL's reproducible mode,
+    --batch-invariant sets up its own (serving.prepare_process: MKL's reproducible mode,
     which MKL reads at its first call; this test process made that call long ago)."""
-    code = ("from types import SimpleNamespace; from specdec import session_service; "
-            f"session_service.prepare_process(SimpleNamespace(batch_invariant={invariant})); import torch; "
+    code = ("from types import SimpleNamespace; from specdec.runtime import serving; "
+            f"serving.prepare_process(SimpleNamespace(batch_invariant={invariant})); import torch; "
             "from tests.specdec.test_static_passes import bits_apart, dense; "
             f"print(bits_apart(dense(torch.{dtype}), invariant={invariant}))")
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
@@ -346,20 +346,20 @@ def test_a_service_whose_model_is_on_a_cpu_runs_its_passes_the_usual_way(caplog)
     applies (its padded passes are what make a row's bits its own on any device)."""
     import argparse
 
-    from specdec import session_service
+    from specdec.runtime import serving
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
     args = argparse.Namespace(quantize="none", kv_cache_bytes=1 << 20, max_batch_rows=4, max_batch_tokens=64,
                               max_waiting_sessions=4, threads=1, prefix_caching=False, cuda_graphs="on",
                               batch_invariant=0)
-    engine = session_service.engine(model, args)
+    engine = serving.engine(model, args)
     try:
         assert engine.runner.static is None
         assert "the model is on cpu" in caplog.text
     finally:
         engine.stop()
-    engine = session_service.engine(model, argparse.Namespace(**{**vars(args), "batch_invariant": 8}))
+    engine = serving.engine(model, argparse.Namespace(**{**vars(args), "batch_invariant": 8}))
     try:
         assert engine.runner.static is not None and engine.runner.static.invariant == 8
         assert not engine.runner.static.capture
