@@ -92,13 +92,11 @@ class Bridge:
         self.shared = {d: by_bytes[text] for d, text in token_bytes(draft_tokenizer).items() if text in by_bytes}
         # Special tokens carry no text: one the target holds too (by its content) carries over
         # as the target's; any other ends the drafts (an end of turn is no text to draft).
-        target_special = _special_ids(target_tokenizer)
-        for content, d in _special_ids(draft_tokenizer).items():
+        target_special, draft_special = _special_ids(target_tokenizer), _special_ids(draft_tokenizer)
+        for content, d in draft_special.items():
             if content in target_special:
                 self.shared[d] = target_special[content]
-        self.draft_stops = {d for d in _special_ids(draft_tokenizer).values() if d not in self.shared}
-        if draft_tokenizer.eos_token_id is not None and draft_tokenizer.eos_token_id not in self.shared:
-            self.draft_stops.add(draft_tokenizer.eos_token_id)
+        self.draft_stops = {d for d in draft_special.values() if d not in self.shared}  # its EOS among them
         self.drafts_of: dict[int, list[int]] = {}
         for d, t in self.shared.items():
             self.drafts_of.setdefault(t, []).append(d)
