@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec import flags, security as transport
+from specdec.errors import InvalidArgument, ServiceError, abort
 from specdec.wire import MAX_MESSAGE_BYTES, message_options
 
 
@@ -94,16 +95,24 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         if handler.request_streaming:
             behavior = handler.stream_stream
 
-            async def checked(requests, context):
+            # A malformed message in the stream is raised to whoever reads it, not aborted
+            # there: the reader may be a task beside the handler (the verifier's offers),
+            # and an abort from it while the handler writes fails the call's batch in
+            # gRPC (TOO_MANY_OPERATIONS) and leaves the stream hanging.
+            async def checked(requests):
                 async for request in requests:
                     if isinstance(request, _Malformed):
-                        await refuse(request, context)
+                        raise InvalidArgument("request", f"not a valid message for {details.method} "
+                                                         f"({request.error})")
                     yield request
 
             async def guarded_streams(requests, context):
-                async with contextlib.aclosing(behavior(checked(requests, context), context)) as responses:
-                    async for response in responses:
-                        yield response
+                try:
+                    async with contextlib.aclosing(behavior(checked(requests), context)) as responses:
+                        async for response in responses:
+                            yield response
+                except ServiceError as err:  # a handler that leaves its reader's errors to us
+                    await abort(context, err)
 
             return grpc.stream_stream_rpc_method_handler(guarded_streams, deserialize, handler.response_serializer)
         if handler.response_streaming:
