@@ -1,11 +1,12 @@
 """The `specdec` command: `specdec up` starts the services on loopback, `specdec
-generate` streams a completion from a running orchestrator."""
+generate` streams a completion from a running orchestrator, `specdec fetch` brings
+models by name into the cache."""
 
 import argparse
 import sys
 import time
 
-from specdec import defaults, flags
+from specdec import defaults, fetch, flags
 
 
 def generate(args) -> int:
@@ -280,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the orchestrator to be up")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     add_client_flags(g)
+    fetch_parser = sub.add_parser("fetch", help="fetch models by name into the cache (specdec up does it too)")
+    fetch_parser.add_argument("names", nargs="*", help="the models: " + ", ".join(sorted(fetch.CATALOG)))
     r = sub.add_parser("ray", help="launch on Ray and scale drafters and verifiers")
     ray_sub = r.add_subparsers(dest="ray_command", required=True)
     ru = ray_sub.add_parser("up", help="start the services as Ray actors (local Ray, or --address)")
@@ -352,6 +355,8 @@ def main(argv=None) -> None:
         raise SystemExit(top.main(rest))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "fetch":
+        raise SystemExit(fetch.main(args.names))
     if args.command == "up":
         from deploy.launch import up
 

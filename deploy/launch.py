@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec import fetch
+
 log = logging.getLogger("specdec.up")
 HOST = "127.0.0.1"
 
@@ -219,6 +221,12 @@ def up(args) -> int:
     if in_use:
         print("\n".join(in_use), file=sys.stderr, flush=True)
         return 2
+    try:  # here, where its progress shows, rather than in each service's log
+        fetch.fetch_all((args.target, args.draft, args.draft_tokenizer),
+                        lambda line: print(f"specdec up: {line}", file=sys.stderr, flush=True))
+    except (RuntimeError, OSError) as err:
+        print(f"specdec up: {err}", file=sys.stderr, flush=True)
+        return 1
     verifier_flags, drafter_flags = service_flags(args)
     services = plan(args.target, args.draft, args.num_drafters, args.port, args.dtype, args.device or "cpu",
                     args.overlap, verifier_flags=verifier_flags, drafter_flags=drafter_flags,

@@ -20,6 +20,7 @@ import shutil
 import time
 from pathlib import Path
 
+from specdec import fetch
 from specdec.defaults import DEFAULT_TARGET
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,9 @@ def _default_target_file() -> Path:
 _digests: dict[tuple, str] = {}
 
 
-def _file_digest(path: Path) -> str:
-    """The file's content hash, read once a process while the file stays as it was (a
-    start names a GGUF file several times: its tokenizer, its model, its blocks; a
+def _sha256(path: Path) -> str:
+    """The file's sha256, read once a process while the file stays as it was (a start
+    names a GGUF file several times: its fetch, its tokenizer, its model, its blocks; a
     reading of the 1.5B file of the real pair takes about 2 s)."""
     stat = os.stat(path)
     key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
@@ -61,8 +62,13 @@ def _file_digest(path: Path) -> str:
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
-        _digests[key] = digest.hexdigest()[:16]
+        _digests[key] = digest.hexdigest()
     return _digests[key]
+
+
+def _file_digest(path: Path) -> str:
+    """The file's content hash, as cache keys take it."""
+    return _sha256(path)[:16]
 
 
 @contextlib.contextmanager
@@ -245,10 +251,12 @@ def _assembled(partial: Path) -> Path:
 
 
 def resolve(spec: str) -> str:
-    """Where to load `spec` from: a local directory, a hub id, a converted GGUF, or an
-    assembled partial directory."""
+    """Where to load `spec` from: a local directory, a hub id, a converted GGUF (a file, or
+    a name of specdec.fetch's), or an assembled partial directory."""
     if spec == DEFAULT_TARGET:
         return str(_converted_gguf(_default_target_file()))
+    if spec in fetch.CATALOG:  # a model by name: its GGUF file, fetched once
+        return str(_converted_gguf(fetch.fetched(spec)))
     if spec in SHIPPED:  # the drafts and heads that ship in specdec/models
         return str(_assembled(_SHIPPED / spec))
     if spec.endswith(".gguf"):
@@ -264,6 +272,8 @@ def gguf_file(spec: str) -> str | None:
     """The .gguf file `spec` names (the default target is one), or None."""
     if spec == DEFAULT_TARGET:
         return str(_default_target_file())
+    if spec in fetch.CATALOG:
+        return str(fetch.fetched(spec))
     return str(Path(spec).resolve()) if spec.endswith(".gguf") else None
 
 

@@ -235,6 +235,21 @@ GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "
               "gemma2": "gemma2", "gemma3_text": "gemma3"}  # the architecture llama.cpp's converter names
 
 
+def in_q8_0(model):
+    """`model` with each matrix as Q8_0 blocks hold it: the model a Q8_0 file is."""
+    import copy
+
+    from gguf import GGMLQuantizationType, quants
+
+    held = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in held.parameters():
+            if p.dim() == 2:
+                kind = GGMLQuantizationType.Q8_0
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.numpy(), kind), kind).copy()))
+    return held
+
+
 def write_gguf(model, tokenizer, path: Path, kind: int) -> Path:
     """`model` as a GGUF file the way llama.cpp's converter writes one: its linear layers
     and embedding in blocks of `kind`, norms and biases float32, Llama's q and k rows in

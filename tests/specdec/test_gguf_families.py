@@ -7,14 +7,12 @@ Gemma 3's rope scaling); `--quantize auto` takes the file's own blocks (no secon
 quantization) to the layer kernel; and verify passes through the engine, at more threads
 than this machine has cores, give the model's own `generate`."""
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
 
-from models import FAMILIES, bpe_tokenizer, build_family, write_gguf
+from models import FAMILIES, bpe_tokenizer, build_family, in_q8_0, write_gguf
 from passes import rounds_of_its_own_tokens
 from specdec import model_files
 from specdec.runtime import ggml, modeling, quantize
@@ -60,17 +58,6 @@ def gguf_file(request, tmp_path_factory, tokenizer):
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(0.05)
     return model, write_gguf(model, tokenizer, root / f"{family}.gguf", ggml.Q8_0)
-
-
-def in_q8_0(model):
-    """`model` with each matrix as Q8_0 blocks hold it: the model a Q8_0 file is."""
-    held = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in held.parameters():
-            if p.dim() == 2:
-                kind = GGMLQuantizationType.Q8_0
-                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.numpy(), kind), kind).copy()))
-    return held
 
 
 def test_a_gguf_file_of_each_family_runs_on_its_own_blocks_as_its_model(gguf_file, tokenizer):
