@@ -17,6 +17,7 @@ BENCHMARKS = {
     "engine": ("engine", "the batching engine alone: pass costs, batch invariance, prefix caching, llama-bench"),
     "paths": ("paths", "each model's path through the CPU engine: checkpoints of each family against the GGUF target"),
     "split": ("split", "the drafter on cores of its own beside the shared deployment: the defaults against K = 0"),
+    "pair": ("pair", "a real pair (Qwen2.5-Coder 1.5B and 0.5B), shared and split, against llama-server's speculation"),
     "wire": ("wire", "a round's calls: unary calls against bidirectional streams, on loopback"),
     "fidelity": ("fidelity", "each numerics against the published model (float32 de-quantized)"),
 }

@@ -302,13 +302,14 @@ def gguf_of(target: str) -> str:
 
 
 @contextlib.contextmanager
-def llama_server(bin_dir: str, target: str, slots: int = 1, threads: int | None = None):
+def llama_server(bin_dir: str, target: str, slots: int = 1, threads: int | None = None, extra=()):
     """llama.cpp's `llama-server` on the target's GGUF file, on loopback (every core unless
-    `threads`): yields its URL."""
+    `threads`; `extra`: more of its flags): yields its URL."""
     port = launch.free_port()
     process = subprocess.Popen([f"{bin_dir}/llama-server", "-m", gguf_of(target), "--host", launch.HOST,
                                 "--port", str(port), "-t", str(threads or os.cpu_count()), "-np", str(slots),
-                                "-c", str(slots * 2048)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "-c", str(slots * 2048), *extra], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
     url, deadline = f"http://{launch.HOST}:{port}", time.monotonic() + 300
     try:
         while True:
