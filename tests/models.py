@@ -250,9 +250,54 @@ def in_q8_0(model):
     return held
 
 
-def write_gguf(model, tokenizer, path: Path, kind: int) -> Path:
+def k_blocks(weight, kind: int):
+    """`weight` [rows, cols] (cols a multiple of 256) as Q4_K or Q6_K blocks, in the
+    file's layout (gguf's Python has no K quantizer): a plain one, each block's scale from
+    its range, enough for a model whose weights are what the blocks de-quantize to."""
+    import numpy as np
+
+    from specdec.runtime import ggml
+
+    w = weight.reshape(-1, 256).astype(np.float32)
+    n = w.shape[0]
+    if kind == ggml.Q6_K:
+        sub = w.reshape(n, 16, 16)
+        step = np.abs(sub).max(-1) / 31
+        d = (step.max(-1) / 127).astype(np.float16)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.clip(np.nan_to_num(np.rint(step / d.astype(np.float32)[:, None])), -128, 127).astype(np.int8)
+            unit = (d.astype(np.float32)[:, None] * sc)[..., None]
+            q = np.clip(np.nan_to_num(np.rint(sub / unit)) + 32, 0, 63).astype(np.uint8).reshape(n, 2, 4, 32)
+        ql = np.zeros((n, 2, 64), np.uint8)
+        ql[:, :, :32] = q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4
+        ql[:, :, 32:] = q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4
+        qh = (q[:, :, 0] >> 4) | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+        parts = [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)]
+    else:
+        assert kind == ggml.Q4_K, kind
+        sub = w.reshape(n, 8, 32)
+        low = np.maximum(0, -sub.min(-1))
+        step = (sub.max(-1) + low) / 15
+        d, dmin = (step.max(-1) / 63).astype(np.float16), (low.max(-1) / 63).astype(np.float16)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.clip(np.nan_to_num(np.rint(step / d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
+            m = np.clip(np.nan_to_num(np.rint(low / dmin.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
+            unit = (d.astype(np.float32)[:, None] * sc)[..., None]
+            offset = (dmin.astype(np.float32)[:, None] * m)[..., None]
+            q = np.clip(np.nan_to_num(np.rint((sub + offset) / unit)), 0, 15).astype(np.uint8)
+        scales = np.zeros((n, 12), np.uint8)
+        scales[:, :4] = sc[:, :4] | (sc[:, 4:] >> 4) << 6
+        scales[:, 4:8] = m[:, :4] | (m[:, 4:] >> 4) << 6
+        scales[:, 8:] = (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4
+        qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(n, 128)
+        parts = [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs]
+    return np.concatenate(parts, axis=1).reshape(weight.shape[0], -1)
+
+
+def write_gguf(model, tokenizer, path: Path, kind) -> Path:
     """`model` as a GGUF file the way llama.cpp's converter writes one: its linear layers
-    and embedding in blocks of `kind`, norms and biases float32, Llama's q and k rows in
+    and embedding in blocks of `kind` (a type, or a function of the file's tensor name
+    giving each its own, as llama.cpp's mixes do: Q4_K_M), norms and biases float32, Llama's q and k rows in
     the converter's rotary order, Gemma's norm weights as 1 + w; its hyperparameters under
     the architecture's keys; `tokenizer` (a byte-level BPE, as `bpe_tokenizer` trains) as
     llama.cpp writes a GPT-2-style vocabulary."""
@@ -329,8 +374,10 @@ def write_gguf(model, tokenizer, path: Path, kind: int) -> Path:
         file_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert file_name is not None, name
         if data.ndim == 2:
-            writer.add_tensor(file_name, quants.quantize(np.ascontiguousarray(data), GGMLQuantizationType(kind)),
-                              raw_dtype=GGMLQuantizationType(kind))
+            its = kind(file_name) if callable(kind) else kind
+            data = np.ascontiguousarray(data)
+            blocks = k_blocks(data, its) if its in (12, 14) else quants.quantize(data, GGMLQuantizationType(its))
+            writer.add_tensor(file_name, blocks, raw_dtype=GGMLQuantizationType(its))
         else:
             writer.add_tensor(file_name, np.ascontiguousarray(data, dtype=np.float32))
     writer.write_header_to_file()

@@ -2,11 +2,12 @@
 
 The model is built the usual way (transformers de-quantizes the file once into a model
 directory, `specdec.runtime.modeling`); then every linear layer and the embedding whose GGUF
-tensor is in a block type we multiply (Q4_0, Q4_1, Q8_0) give up their float32 weight
+tensor is in a block type we multiply (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the K types Q4_K,
+Q5_K, Q6_K that llama.cpp's Q4_K_M and Q5_K_M files hold) give up their float32 weight
 for the file's blocks, and run through `specdec/runtime/kernels/gguf_cpu.cpp`. Nothing is
 re-quantized: the weights are the published model's to the bit (checked here, block by
-block, against what transformers de-quantized), at the blocks' bytes (Q4_1: 5 bits a
-weight, against 8 for our int8 and 32 for float32). The activations are rounded to
+block, against what transformers de-quantized), at the blocks' bytes (Q4_K: 4.5 bits a
+weight, Q4_1 5, against 8 for our int8 and 32 for float32). The activations are rounded to
 16-bit integers per block of 32 (at most 2^-16 of the block's largest value off; llama.cpp
 rounds them to 8 bits), so a block's products are exact integer sums: that, and the order
 of float sums, is all that differs from the published float32 model. The blocks are
@@ -24,9 +25,18 @@ import torch
 
 log = logging.getLogger(__name__)
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14  # ggml's type ids
 Q8_M = 100  # ours, in no file: Q4_1's form with 8-bit integers (`q8_m_blocks`)
-TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q8_M: "Q8_M"}
+TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+         Q6_K: "Q6_K", Q8_M: "Q8_M"}
+
+
+K_TYPES = (Q4_K, Q5_K, Q6_K)  # superblocks of 256 weights; the others' blocks hold 32
+
+
+def block_weights(kind: int) -> int:
+    """The weights of one of the type's blocks in a file: its rows are whole blocks."""
+    return 256 if kind in K_TYPES else 32
 
 
 def _kernels():
@@ -250,7 +260,7 @@ def _blocks_of(weight: torch.Tensor, tensor, config, name: str) -> torch.Tensor 
     """The file's blocks for `weight` [out, in], rows in the model's order, packed (`pack`);
     None when the tensor is in another type or does not hold these weights exactly."""
     kind = int(tensor.tensor_type)
-    if kind not in TYPES or tuple(tensor.data.shape)[0] != weight.shape[0] or weight.shape[1] % 32:
+    if kind not in TYPES or tuple(tensor.data.shape)[0] != weight.shape[0] or weight.shape[1] % block_weights(kind):
         return None
     blocks = torch.from_numpy(np.array(tensor.data))  # a copy: the file's map is read-only
     rows, packed = blocks.shape[0], pack(blocks, kind)

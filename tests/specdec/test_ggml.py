@@ -6,21 +6,41 @@ rounded to 16 bits per block, and exact through the engine against its own `gene
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from passes import logits_by_forward, rounds_of_its_own_tokens
 from specdec.runtime import ggml, modeling, quantize
 from specdec.runtime.engine import Engine
 
-KINDS = [ggml.Q4_0, ggml.Q4_1, ggml.Q8_0, ggml.Q8_M]
+KINDS = [ggml.Q4_0, ggml.Q4_1, ggml.Q5_0, ggml.Q5_1, ggml.Q8_0, ggml.Q4_K, ggml.Q5_K, ggml.Q6_K, ggml.Q8_M]
+
+
+def cols_of(kind: int, cols: int) -> int:
+    """`cols` rounded up to whole blocks of the type (a K type's: 256 weights)."""
+    return -(-cols // ggml.block_weights(kind)) * ggml.block_weights(kind)
 
 
 def random_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Well-formed blocks with random scales, minimums and quants."""
+    """Well-formed blocks with random scales, minimums and quants (a K type's: random
+    bytes but its float16 scales)."""
     draw = np.random.default_rng(seed)
+    if kind in ggml.K_TYPES:
+        size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)][1]
+        n = rows * cols // 256
+        b = draw.integers(0, 256, (n, size), dtype=np.uint8)
+        scales = [208] if kind == ggml.Q6_K else [0, 2]  # d (and d_min) at these bytes
+        for at, scale in zip(scales, (0.002, 0.004)):
+            b[:, at:at + 2] = (draw.random((n, 1)) * scale + 1e-4).astype(np.float16).view(np.uint8)
+        return torch.from_numpy(b.reshape(rows, -1).copy())
     n = rows * cols // 32
     d = (draw.random(n) * 0.02 + 1e-3).astype(np.float16).view(np.uint8).reshape(n, 2)
-    if kind == ggml.Q8_0:
+    if kind in (ggml.Q5_0, ggml.Q5_1):
+        q = draw.integers(0, 256, (n, 20), dtype=np.uint8)  # the fifth bits (4 bytes), then the nibbles
+        parts = [d, q]
+        if kind == ggml.Q5_1:
+            m = (-draw.random(n) * 0.1).astype(np.float16).view(np.uint8).reshape(n, 2)
+            parts = [d, m, q]
+    elif kind == ggml.Q8_0:
         q = draw.integers(-128, 128, (n, 32), dtype=np.int8).view(np.uint8)
         parts = [d, q]
     elif kind == ggml.Q8_M:
@@ -47,13 +67,17 @@ def reference_dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_blocks_dequantize_as_ggufs_reference_code(kind):
-    blocks = random_blocks(kind, 21, 96)  # a last group of 5 rows, padded to 8
+    cols = cols_of(kind, 96)
+    blocks = random_blocks(kind, 21, cols)  # a last group of 5 rows, padded to 8
     packed = ggml.pack(blocks, kind)
-    assert packed.numel() == 24 * blocks.shape[1]  # the file's bytes, rearranged, and the padding's
+    # The file's bytes, rearranged, and the padding's; Q4_K's and Q5_K's 6-bit sc and m
+    # widened to a byte each: 32 bytes more a superblock of 8 rows.
+    widened = 32 * 3 * cols // 256 if kind in (ggml.Q4_K, ggml.Q5_K) else 0
+    assert packed.numel() == 24 * blocks.shape[1] + widened
     assert torch.equal(ggml._kernels().dequantize(packed, kind, 21, torch.arange(21)),
                        reference_dequantize(blocks, kind))
     ids = torch.tensor([[3, 0], [20, 3]])
-    embedding = ggml.GGUFEmbedding(packed, kind, 96, 21)
+    embedding = ggml.GGUFEmbedding(packed, kind, cols, 21)
     assert torch.equal(embedding(ids), reference_dequantize(blocks, kind)[ids])
     with pytest.raises(RuntimeError, match="out of range"):
         embedding(torch.tensor([21]))
@@ -64,9 +88,10 @@ def test_a_row_gives_the_same_result_alone_or_among_others(kind):
     # Every tile the kernel cuts a pass into (AVX2: 1 to 6 rows, 7 to 12 in two, 13 to 17
     # in three; AVX-512: 1 to 8, 9 to 16 in two, 17 in three), an odd number of output rows
     # (the threads split them).
-    layer = ggml.GGUFLinear(random_blocks(kind, 77, 160, seed=kind), kind, 160)
+    cols = cols_of(kind, 160)
+    layer = ggml.GGUFLinear(random_blocks(kind, 77, cols, seed=kind), kind, cols)
     torch.manual_seed(0)
-    rows = torch.randn(17, 160) * torch.tensor([0.01, 1, 100, 1, 5, 0.1, 30, 2, 7, 0.5, 3, 1, 20, 4, 0.2, 9, 1])[:, None]
+    rows = torch.randn(17, cols) * torch.tensor([0.01, 1, 100, 1, 5, 0.1, 30, 2, 7, 0.5, 3, 1, 20, 4, 0.2, 9, 1])[:, None]
     alone = [layer(rows[i:i + 1]) for i in range(17)]
     for width in range(1, 18):
         together = layer(rows[:width][None])[0]
@@ -86,9 +111,10 @@ def test_every_path_of_the_build_gives_the_same_bits(kind, rows):
     # The widest path the CPU has runs by default; the narrower ones (portable C++ on every
     # build, AVX2 on x86) are what another machine runs: the same model, the same tokens.
     kernels = ggml._kernels()
-    layer = ggml.GGUFLinear(random_blocks(kind, rows, 160, seed=kind), kind, 160)
+    cols = cols_of(kind, 160)
+    layer = ggml.GGUFLinear(random_blocks(kind, rows, cols, seed=kind), kind, cols)
     torch.manual_seed(kind)
-    x = torch.randn(17, 160) * torch.logspace(-2, 2, 17)[:, None]
+    x = torch.randn(17, cols) * torch.logspace(-2, 2, 17)[:, None]
     by_path = {}
     default = kernels.set_isa("portable")
     try:
@@ -107,13 +133,14 @@ def test_every_path_of_the_build_gives_the_same_bits(kind, rows):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_product_is_the_published_weights_times_activations_rounded_to_16_bits(kind):
-    blocks = random_blocks(kind, 64, 128, seed=10 + kind)
+    cols = cols_of(kind, 128)
+    blocks = random_blocks(kind, 64, cols, seed=10 + kind)
     torch.manual_seed(kind)
-    x = torch.randn(5, 128) * torch.tensor([1, 0.01, 100, 1, 1])[:, None]
+    x = torch.randn(5, cols) * torch.tensor([1, 0.01, 100, 1, 1])[:, None]
     x[3, 32:64] = 0  # a block of zeros
     w = reference_dequantize(blocks, kind).double()
     want = x.double() @ w.T
-    got = ggml.GGUFLinear(blocks, kind, 128)(x).double()
+    got = ggml.GGUFLinear(blocks, kind, cols)(x).double()
     # Each activation is off by at most half its block's step (the block's largest magnitude
     # / 32767); float32 sums add their own rounding on top.
     step = x.reshape(5, -1, 32).abs().amax(-1).double().repeat_interleave(32, -1) / 32767
@@ -302,12 +329,13 @@ def write_gguf(path, tensors: dict):
 
 @pytest.mark.parametrize("head", ["output.weight", "token_embd.weight"])
 def test_a_file_whose_head_is_in_another_block_type_is_not_gguf_supported(tmp_path, head):
-    """llama.cpp writes a Q4 file's output head (or tied embedding) in Q6_K where hidden %
-    256 == 0: --quantize auto must not pick the GGUF path for it. (Before: only the
-    layers' types were looked at.)"""
+    """A file whose output head (or tied embedding) is in a type the kernels do not
+    multiply (Q3_K here; llama.cpp writes a Q4 file's head in Q6_K, which they now do):
+    --quantize auto must not pick the GGUF path for it. (Before: only the layers' types
+    were looked at.)"""
     path = tmp_path / "model.gguf"
     write_gguf(path, {"blk.0.attn_q.weight": (ggml.Q8_0, 256, 256), "token_embd.weight": (ggml.Q8_0, 64, 256),
-                      head: (GGMLQuantizationType.Q6_K, 64, 256)})
+                      head: (GGMLQuantizationType.Q3_K, 64, 256)})
     assert not ggml.supported(str(path))
     path = tmp_path / "fine.gguf"
     write_gguf(path, {"blk.0.attn_q.weight": (ggml.Q8_0, 256, 256), head: (ggml.Q8_0, 64, 256)})

@@ -153,3 +153,44 @@ def test_rope_scaling_transformers_would_drop_and_we_cannot_give_is_refused(tmp_
 
     with pytest.raises(ValueError, match=refusal):
         model_files.gguf_config(metadata_file(tmp_path / "m.gguf", arch, fill))
+
+
+def q4_k_m(name: str) -> int:
+    """llama.cpp's Q4_K_M mix, as the real pair's 1.5B holds it: Q6_K for the v
+    projections, the MLPs' down projections and the head, Q4_K elsewhere."""
+    return ggml.Q6_K if name.endswith(("attn_v.weight", "ffn_down.weight")) or name == "output.weight" else ggml.Q4_K
+
+
+def test_a_k_quant_file_runs_on_its_own_blocks_and_the_engine_is_its_generate(tmp_path, tokenizer):
+    """A Qwen2 file of Q4_K and Q6_K blocks (a width of whole 256-weight superblocks): every
+    linear layer, the head and the embedding take the file's blocks (each checked against
+    what transformers de-quantized from the file, `ggml._blocks_of`), the logits are the
+    published model's but for the activations' 16-bit rounding, and the engine's rounds
+    of its own tokens are its `generate`."""
+    original = build_family("qwen2", tokenizer, tmp_path / "checkpoint", seed=4, hidden=256, eos_token_id=None)
+    path = write_gguf(original, tokenizer, tmp_path / "qwen2-q4_k_m.gguf", q4_k_m)
+    loaded, _ = modeling.load_model(str(path))  # transformers' de-quantization: the published float32 model
+    ids = tokenizer(TEXT)["input_ids"]
+    with torch.no_grad():
+        published = loaded(torch.tensor([ids])).logits
+    model = quantize.quantize(loaded, "auto")
+    assert quantize.method_of(model) == "gguf"
+    kinds = {name: m.kind for name, m in model.named_modules() if isinstance(m, (ggml.GGUFLinear, ggml.GGUFEmbedding))}
+    assert kinds["lm_head"] == ggml.Q6_K and kinds["model.embed_tokens"] == ggml.Q4_K
+    assert kinds["model.layers.0.mlp.down_proj"] == ggml.Q6_K and kinds["model.layers.1.self_attn.v_proj"] == ggml.Q6_K
+    assert not [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        got = model(torch.tensor([ids])).logits
+        want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0].tolist()
+    # The rounding's share: on this model 7e-4 of a largest logit of 6.3, as its Q8_0 and
+    # Q4_0 files give (7.2e-4 and 7.9e-4): the same 16-bit activations, whatever the blocks.
+    assert (got - published).abs().max() <= 2e-4 * published.abs().max(), (got - published).abs().max()
+    assert len(set(want[len(ids):])) > 8  # a degenerate model proves nothing
+    engine = Engine(model, 16 << 20, threads=THREADS)
+    try:
+        assert engine.numerics.startswith("gguf/float32/cpu")
+        got = rounds_of_its_own_tokens(engine, ids, want)
+        assert got == want[len(ids):len(ids) + len(got)]
+    finally:
+        engine.stop()

@@ -1,10 +1,19 @@
 // Products of float32 activations with weights kept in GGUF's quantized blocks, on the CPU.
 //
-// The weights stay the file's blocks (Q4_1: 32 weights as 4-bit integers q with a float16
-// scale d and minimum m, weight = q * d + m; Q4_0: (q - 8) * d; Q8_0: q * d), or blocks of
-// our own that a model's float weights are quantized into at load (Q8_M: Q4_1's form with
-// 8-bit q, weight = q * d + m): they cost their bytes (Q4_1: 5 bits a weight) and are read
-// as integers. The bytes are rearranged
+// The weights stay the file's blocks, or blocks of our own that a model's float weights
+// are quantized into at load (Q8_M: Q4_1's form with 8-bit q, weight = q * d + m). Every
+// type is read as blocks of 32 columns, each with integers q and a scale d (and an
+// offset m) of its own:
+//   Q4_0  4-bit q, weight (q - 8) d        Q4_1  4-bit q, q d + m       Q8_0  8-bit signed q, q d
+//   Q5_0  5-bit q, (q - 16) d              Q5_1  5-bit q, q d + m
+//   Q4_K  superblocks of 8 blocks: 4-bit q, weight q (d sc) - (d_min m), with sc and m 6-bit
+//         integers per block, d and d_min float16 per superblock
+//   Q5_K  Q4_K with 5-bit q
+//   Q6_K  superblocks of 8 blocks: 6-bit q, weight (q - 32) (d sc), with sc an 8-bit signed
+//         integer per 16 columns, d float16 per superblock
+// d sc and d_min m are exact in float32 (11 bits of d times 8 of sc), so a K block is the
+// same sum as any other with those for its d and m. They cost their bytes (Q4_K: 4.5 bits
+// a weight) and are read as integers. The bytes are rearranged
 // once at load (`pack`): 8 output rows side by side, so that one 16-lane multiply-add of
 // their integers with a broadcast pair of activations leaves each row's sum in a lane of
 // its own. A block of 8 rows then costs 16 such products and no horizontal sums; the
@@ -16,7 +25,10 @@
 // 2^-16, against llama.cpp's 8 bits). A block's products are then exact integer sums,
 // sum(q * a), and each output is, block by block in order, in float32:
 //   acc = fma(float(sum(q * a)), d * s, acc);  acc = fma(m, s * sum(a), acc)
-// (m: the minimum for Q4_1 and Q8_M, -8 d for Q4_0, no second step for Q8_0).
+// (m: the minimum for Q4_1, Q5_1 and Q8_M, -8 d for Q4_0, -16 d for Q5_0, -(d_min m) for
+// Q4_K and Q5_K; no second step for Q8_0, or for Q6_K, whose q - 32 is summed as a signed
+// integer, and whose two halves of 16 columns each take their own step:
+//   acc = fma(float(sum(q a) over columns 0-15), d sc0 s, acc); then columns 16-31, d sc1 s).
 //
 // Batch invariance: every output y[m, n] is computed by the same operations in the same
 // order (explicit fused multiply-adds; the build turns off any other contraction),
@@ -50,19 +62,61 @@
 namespace {
 
 constexpr int QK = 32;  // weights per block, for every type here
-enum Type { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q8_M = 100 };  // ggml's type ids; Q8_M is ours, no file's
+constexpr int ROWS = 8;  // output rows side by side in the packed layout
+// ggml's type ids; Q8_M is ours, no file's
+enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_M = 100 };
+#define SPECDEC_TYPES(X) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(Q4_K) X(Q5_K) X(Q6_K) X(Q8_M)
 
-// Whether a type's blocks hold a minimum m, and 8-bit integers.
-constexpr bool has_min(int type) { return type == Q4_1 || type == Q8_M; }
+constexpr bool known(int type) {
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
+         type == Q5_K || type == Q6_K || type == Q8_M;
+}
+constexpr bool k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+// Whether a type's blocks hold a minimum m of their own, and 8-bit integers.
+constexpr bool has_min(int type) { return type == Q4_1 || type == Q5_1 || type == Q8_M; }
 constexpr bool bytes_q(int type) { return type == Q8_0 || type == Q8_M; }
+// Whether a block's outputs take the second step, acc = fma(m, s * sum(a), acc).
+constexpr bool offset_step(int type) { return type != Q8_0 && type != Q6_K; }
+// Bits of q above the low 4, each kept as a plane of its own (Q5: one, Q6_K: two).
+constexpr int planes(int type) { return type == Q5_0 || type == Q5_1 || type == Q5_K ? 1 : type == Q6_K ? 2 : 0; }
+// The weights of one of the file's blocks, and its bytes.
+constexpr int file_weights(int type) { return k_quant(type) ? 256 : QK; }
+constexpr int file_bytes(int type) {
+  return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : type == Q8_0 ? 34
+       : type == Q4_K ? 144 : type == Q5_K ? 176 : type == Q6_K ? 210 : 36;  // Q8_M: d, m and 32 bytes
+}
 
-// A block's bytes (Q4_0: d and 16 bytes of nibbles; Q4_1: d, m and the nibbles; Q8_0: d
-// and 32 signed bytes; Q8_M: d, m and 32 unsigned bytes); the tiles take it at compile time.
-constexpr int block_size(int type) { return (has_min(type) ? 4 : 2) + (bytes_q(type) ? QK : QK / 2); }
+void check_type(int64_t type) { TORCH_CHECK(known(static_cast<int>(type)), "unsupported block type ", type); }
 
-int block_bytes(int type) {
-  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q8_M, "unsupported block type ", type);
-  return block_size(type);
+// The packed layout: rows in groups of 8 (the last padded with zero blocks); per group,
+// per block of 32 columns: the 8 rows' scales (d, float16, then m for the types that hold
+// one; a K type's sc and m, or Q6_K's sc0 and sc1, a byte each), then the integers with
+// the 8 rows interleaved two columns at a time: a 16-lane vector of them, multiplied by a
+// broadcast pair of activations, gives each row's sum over the two columns in its own
+// 32-bit lane. 4-bit q packs that vector's 16 integers as the low nibbles of 16 bytes and
+// another's as their high nibbles: in each 32 bytes (8 columns), the low nibbles hold
+// columns 0-3, the high ones 4-7, two columns to a half. The bits above the low 4 follow,
+// a plane each: per pair of columns, a 16-bit word whose bit 2 r + (column % 2) is that
+// bit of row r's q. A K type's 8 blocks follow their superblock's d (and d_min) of the
+// 8 rows, float16. The bytes are the file's bytes, rearranged (a K block's 6-bit sc and
+// m widened to a byte each: 16 bytes a superblock more than the file's 1152).
+constexpr int head_bytes(int type) { return k_quant(type) ? 2 * ROWS : (has_min(type) ? 4 : 2) * ROWS; }
+constexpr int ints_offset(int type) { return head_bytes(type); }
+constexpr int planes_offset(int type) { return head_bytes(type) + ROWS * (bytes_q(type) ? QK : QK / 2); }
+constexpr int block_group_bytes(int type) { return planes_offset(type) + planes(type) * 2 * (QK / 2); }
+constexpr int super_head(int type) { return type == Q6_K ? 2 * ROWS : k_quant(type) ? 4 * ROWS : 0; }
+constexpr int super_blocks(int type) { return k_quant(type) ? 8 : 1; }
+constexpr int super_bytes(int type) { return super_head(type) + super_blocks(type) * block_group_bytes(type); }
+
+// A group's bytes for nb blocks of 32 columns (nb a whole number of the file's blocks).
+int64_t group_stride(int type, int64_t nb) { return nb / super_blocks(type) * super_bytes(type); }
+
+// Block b of a group, and the superblock that holds it (a legacy type's: the block).
+inline const uint8_t* super_of(const uint8_t* group, int type, int64_t b) {
+  return group + b / super_blocks(type) * super_bytes(type);
+}
+inline const uint8_t* block_of(const uint8_t* group, int type, int64_t b) {
+  return super_of(group, type, b) + super_head(type) + b % super_blocks(type) * block_group_bytes(type);
 }
 
 inline float half(const uint8_t* p) {
@@ -75,29 +129,45 @@ inline float half(const uint8_t* p) {
 #endif
 }
 
-// A block's integers for column c of a file block (Q4: 16 bytes of nibbles, low nibbles
-// the first 16 columns; Q8_0: 32 signed bytes; Q8_M: 32 unsigned ones).
-inline int file_int(const uint8_t* p, int type, int c) {
-  if (type == Q8_0) return reinterpret_cast<const int8_t*>(p + 2)[c];
-  if (type == Q8_M) return p[4 + c];
-  const uint8_t byte = p[(type == Q4_1 ? 4 : 2) + c % 16];
-  return c < 16 ? byte & 15 : byte >> 4;
+// Column c's q (every bit of it, unsigned but for Q8_0) in block b of a row of the file's
+// blocks.
+inline int file_q(const uint8_t* row, int type, int64_t b, int c) {
+  if (!k_quant(type)) {
+    const uint8_t* p = row + b * file_bytes(type);
+    if (type == Q8_0) return reinterpret_cast<const int8_t*>(p + 2)[c];
+    if (type == Q8_M) return p[4 + c];
+    const int qs = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+    const int q = c < 16 ? p[qs + c] & 15 : p[qs + c - 16] >> 4;
+    if (planes(type) == 0) return q;
+    uint32_t qh;  // Q5_0, Q5_1: bit c the fifth of column c
+    std::memcpy(&qh, p + qs - 4, 4);
+    return q | ((qh >> c) & 1) << 4;
+  }
+  const uint8_t* p = row + b / 8 * file_bytes(type);
+  const int s = b % 8;  // the block in its superblock
+  if (type == Q6_K) {  // ql 128 bytes, qh 64, then the scales and d; a half of 128 columns at a time
+    const int h = s / 4, j = s % 4;
+    const uint8_t low = p[64 * h + 32 * (j % 2) + c];
+    return (j < 2 ? low & 15 : low >> 4) | ((p[128 + 32 * h + c] >> (2 * j)) & 3) << 4;
+  }
+  const uint8_t* qs = p + (type == Q5_K ? 48 : 16);  // after d, d_min, 12 bytes of scales (and Q5_K's qh)
+  const uint8_t byte = qs[32 * (s / 2) + c];
+  const int q = s % 2 ? byte >> 4 : byte & 15;
+  return type == Q5_K ? q | ((p[16 + c] >> s) & 1) << 4 : q;
 }
 
-// The packed layout: rows in groups of 8 (the last padded with zero blocks); per group,
-// per block of 32 columns, the 8 rows' scales d (float16), their minimums m (Q4_1, Q8_M), then
-// the integers with the 8 rows interleaved two columns at a time: a 16-lane vector of
-// them, multiplied by a broadcast pair of activations, gives each row's sum over the two
-// columns in its own 32-bit lane. Q4 packs that vector's 16 integers as the low nibbles
-// of 16 bytes and another's as their high nibbles: in each 32 bytes (8 columns), the low
-// nibbles hold columns 0-3, the high ones 4-7, two columns to a half. The bytes are the
-// file's bytes, rearranged.
-constexpr int ROWS = 8;
-int group_bytes(int type) { return ROWS * block_bytes(type); }
-constexpr int ints_offset(int type) { return has_min(type) ? 2 * 2 * ROWS : 2 * ROWS; }
+// A K block's 6-bit sc and m (block s of its superblock), from the superblock's 12 bytes.
+inline void k_scale_min(const uint8_t* scales, int s, uint8_t& sc, uint8_t& m) {
+  if (s < 4) {
+    sc = scales[s] & 63, m = scales[s + 4] & 63;
+  } else {
+    sc = (scales[s + 4] & 15) | (scales[s - 4] >> 6) << 4;
+    m = (scales[s + 4] >> 4) | (scales[s] >> 6) << 4;
+  }
+}
 
-// Where the integer of (row r in its group, column c of the block) lies: its byte, and
-// whether it is that byte's high nibble (Q4).
+// Where the low 4 bits (or the byte) of (row r in its group, column c of the block) lie:
+// their byte, and whether they are its high nibble.
 inline int packed_index(int type, int r, int c, bool& high) {
   const int pair = c / 2, lane = 2 * r + c % 2;
   if (bytes_q(type)) { high = false; return 16 * pair + lane; }
@@ -106,18 +176,43 @@ inline int packed_index(int type, int r, int c, bool& high) {
   return 32 * chunk + 16 * (within % 2) + lane;
 }
 
-inline int packed_int(const uint8_t* group_block, int type, int r, int c) {
-  bool high;
-  const uint8_t byte = group_block[ints_offset(type) + packed_index(type, r, c, high)];
-  if (type == Q8_0) return static_cast<int8_t>(byte);
-  if (type == Q8_M) return byte;
-  return high ? byte >> 4 : byte & 15;
+// Plane `plane`'s word of column pair `pair` in a packed block.
+inline uint16_t plane_word(const uint8_t* block, int type, int plane, int pair) {
+  uint16_t word;
+  std::memcpy(&word, block + planes_offset(type) + 2 * (QK / 2 * plane + pair), 2);
+  return word;
 }
 
-// A row's offset per unit of s * sum(a) in a block: m for Q4_1 and Q8_M, -8 d for Q4_0
-// (sum((q - 8) a) = sum(q a) - 8 sum(a)), none for Q8_0.
-inline float offset(const uint8_t* group_block, int type, int r, float d) {
-  return has_min(type) ? half(group_block + 2 * ROWS + 2 * r) : type == Q4_0 ? -8.0f * d : 0.0f;
+// The integer a packed block multiplies for (row r, column c): q, or Q6_K's q - 32.
+inline int packed_int(const uint8_t* block, int type, int r, int c) {
+  bool high;
+  const uint8_t byte = block[ints_offset(type) + packed_index(type, r, c, high)];
+  if (type == Q8_0) return static_cast<int8_t>(byte);
+  if (type == Q8_M) return byte;
+  int q = high ? byte >> 4 : byte & 15;
+  for (int plane = 0; plane < planes(type); ++plane)
+    q |= ((plane_word(block, type, plane, c / 2) >> (2 * r + c % 2)) & 1) << (4 + plane);
+  return type == Q6_K ? q - 32 : q;
+}
+
+// Row r's scales of a packed block: d for columns 0-15 and 16-31 (the same but for
+// Q6_K), and m, the offset per unit of s * sum(a): the minimum for Q4_1, Q5_1 and Q8_M,
+// -8 d for Q4_0 (sum((q - 8) a) = sum(q a) - 8 sum(a)), -16 d for Q5_0, -(d_min m) for Q4_K
+// and Q5_K, none for Q8_0 and Q6_K.
+inline void block_scales(const uint8_t* super, const uint8_t* block, int type, int r, float& d0, float& d1,
+                         float& m) {
+  m = 0.0f;
+  if (!k_quant(type)) {
+    d0 = d1 = half(block + 2 * r);
+    m = has_min(type) ? half(block + 2 * ROWS + 2 * r) : type == Q4_0 ? -8.0f * d0 : type == Q5_0 ? -16.0f * d0 : 0.0f;
+  } else if (type == Q6_K) {
+    const float d = half(super + 2 * r);
+    d0 = d * static_cast<float>(static_cast<int8_t>(block[r]));
+    d1 = d * static_cast<float>(static_cast<int8_t>(block[ROWS + r]));
+  } else {
+    d0 = d1 = half(super + 2 * r) * static_cast<float>(block[r]);
+    m = -(half(super + 2 * ROWS + 2 * r) * static_cast<float>(block[ROWS + r]));
+  }
 }
 
 // Activation rows as 16-bit integers per block: a (k of them), the block's scale s, and
@@ -188,23 +283,40 @@ inline __m256i pair_of(const int16_t* a) {  // two activations, in every 32-bit 
   return _mm256_set1_epi32(v);
 }
 
+// Bit `value` of each 16-bit lane of w set where the lane's bit of `word` is (a plane of
+// bits above the low 4: the lanes' rows and columns as in the integers' vector).
+inline __m256i with_plane(__m256i w, uint16_t word, short value) {
+  const __m256i lanes = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          static_cast<short>(-32768));
+  const __m256i bits = _mm256_and_si256(_mm256_set1_epi16(static_cast<short>(word)), lanes);
+  return _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi16(bits, lanes), _mm256_set1_epi16(value)));
+}
+
+inline __m256 bytes_to_floats(const uint8_t* p, bool is_signed) {  // 8 bytes -> 8 floats
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+
 // One group's 8 rows against activation rows t0 .. t0 + T - 1: each block's integers are
 // unpacked once for all T. Per row and token, in one fixed order whatever T:
-//   acc = fma(float(sum(q * a)), d * s, acc); acc = fma(m, s * sum(a), acc)   block by block.
+//   acc = fma(float(sum(q * a)), d * s, acc); acc = fma(m, s * sum(a), acc)   block by block
+// (Q6_K: its two halves' sums, each times its own d, and no second step).
 template <int TYPE, int T>
 void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, float* y, int64_t n_out, int rows) {
-  constexpr int bytes = ROWS * block_size(TYPE), ints_at = ints_offset(TYPE);
+  constexpr int bytes = block_group_bytes(TYPE), ints_at = ints_offset(TYPE);
   const int64_t k = nb * QK;
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   const __m256i nibbles = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = group + b * bytes;
+    const uint8_t* p = block_of(group, TYPE, b);
     const uint8_t* ints = p + ints_at;
     prefetch_ahead<bytes>(p);
-    __m256i sums[T];
+    __m256i sums[T], first[T];  // first: Q6_K's columns 0-15
     for (int t = 0; t < T; ++t) sums[t] = _mm256_setzero_si256();
     for (int chunk = 0; chunk < 4; ++chunk) {  // 8 columns: four pairs
+      if (TYPE == Q6_K && chunk == 2)
+        for (int t = 0; t < T; ++t) first[t] = sums[t], sums[t] = _mm256_setzero_si256();
       const int16_t* a = x.a.data() + t0 * k + b * QK + 8 * chunk;
       __m256i lo, hi;
       if constexpr (!bytes_q(TYPE)) {
@@ -223,18 +335,35 @@ void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, 
         } else {
           const __m256i half = j < 2 ? lo : hi;
           w = _mm256_cvtepu8_epi16(j % 2 ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half));
+          for (int plane = 0; plane < planes(TYPE); ++plane)
+            w = with_plane(w, plane_word(p, TYPE, plane, 4 * chunk + j), static_cast<short>(16 << plane));
+          if constexpr (TYPE == Q6_K) w = _mm256_sub_epi16(w, _mm256_set1_epi16(32));
         }
         for (int t = 0; t < T; ++t)
           sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(w, pair_of(a + t * k + 2 * j)));
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 m = has_min(TYPE) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * ROWS)))
-                     : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    __m256 d0, d1, m;
+    if constexpr (!k_quant(TYPE)) {
+      d0 = d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      m = has_min(TYPE) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * ROWS)))
+          : _mm256_mul_ps(d0, _mm256_set1_ps(TYPE == Q5_0 ? -16.0f : -8.0f));
+    } else {
+      const uint8_t* s = super_of(group, TYPE, b);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      d0 = _mm256_mul_ps(d, bytes_to_floats(p, TYPE == Q6_K));
+      d1 = TYPE == Q6_K ? _mm256_mul_ps(d, bytes_to_floats(p + ROWS, true)) : d0;
+      m = TYPE == Q6_K ? d0 : _mm256_xor_ps(_mm256_set1_ps(-0.0f),  // -(d_min m)
+          _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * ROWS))),
+                        bytes_to_floats(p + ROWS, false)));
+    }
     for (int t = 0; t < T; ++t) {
       const int64_t i = (t0 + t) * nb + b;
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[t]);
-      if constexpr (TYPE != Q8_0) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[i]), acc[t]);
+      const __m256 scale = _mm256_set1_ps(x.scale[i]);
+      if constexpr (TYPE == Q6_K)
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first[t]), _mm256_mul_ps(d0, scale), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d1, scale), acc[t]);
+      if constexpr (offset_step(TYPE)) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[i]), acc[t]);
     }
   }
   for (int t = 0; t < T; ++t) {
@@ -269,10 +398,9 @@ void group_rows(const uint8_t* group, int64_t nb, const Rounded& x, int64_t toke
 void group_rows(const uint8_t* group, int type, int64_t nb, const Rounded& x, int64_t tokens, float* y, int64_t n_out,
                 int rows) {
   switch (type) {
-    case Q4_0: return group_rows<Q4_0>(group, nb, x, tokens, y, n_out, rows);
-    case Q4_1: return group_rows<Q4_1>(group, nb, x, tokens, y, n_out, rows);
-    case Q8_0: return group_rows<Q8_0>(group, nb, x, tokens, y, n_out, rows);
-    case Q8_M: return group_rows<Q8_M>(group, nb, x, tokens, y, n_out, rows);
+#define CASE(TYPE) case TYPE: return group_rows<TYPE>(group, nb, x, tokens, y, n_out, rows);
+    SPECDEC_TYPES(CASE)
+#undef CASE
   }
 }
 
@@ -290,26 +418,41 @@ inline __m512i pair_of_512(const int16_t* a) {  // two activations, in every 32-
 
 // Two groups' 16 rows (g0's 8, then g1's) against activation rows t0 .. t0 + T - 1: the
 // AVX2 tile's arithmetic, two groups to a vector. Each 32-lane multiply-add is one
-// instruction (vpdpwssd) that adds into the sums; A sets of sums per token keep short
+// instruction (vpdpwssd) that adds into its sums; A sets of sums per token keep short
 // tiles from waiting on that instruction's latency (the sets are added at the block's
 // end: integers, exact in any order).
 template <int TYPE, int T, int A = (T == 1 ? 4 : T <= 3 ? 2 : 1)>
 void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& x, int64_t t0, float* y,
                int64_t n_out, int rows) {
-  constexpr int bytes = ROWS * block_size(TYPE), ints_at = ints_offset(TYPE);
+  constexpr int bytes = block_group_bytes(TYPE), ints_at = ints_offset(TYPE);
   const int64_t k = nb * QK;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   const __m512i nibbles = _mm512_set1_epi16(15);
+  // A plane's bit of each lane (the two groups' words: a 32-bit mask) added where it is set.
+  auto with_planes = [](__m512i w, const uint8_t* p0, const uint8_t* p1, int pair) {
+    for (int plane = 0; plane < planes(TYPE); ++plane) {
+      const __mmask32 bits = static_cast<__mmask32>(plane_word(p0, TYPE, plane, pair)) |
+                             static_cast<__mmask32>(plane_word(p1, TYPE, plane, pair)) << 16;
+      w = _mm512_mask_add_epi16(w, bits, w, _mm512_set1_epi16(static_cast<short>(16 << plane)));
+    }
+    return TYPE == Q6_K ? _mm512_sub_epi16(w, _mm512_set1_epi16(32)) : w;
+  };
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p0 = g0 + b * bytes;
-    const uint8_t* p1 = g1 + b * bytes;
+    const uint8_t* p0 = block_of(g0, TYPE, b);
+    const uint8_t* p1 = block_of(g1, TYPE, b);
     prefetch_ahead<bytes>(p0);
     prefetch_ahead<bytes>(p1);
-    __m512i sums[A][T];
+    __m512i sums[A][T], first[T];  // first: Q6_K's columns 0-15
     for (int s = 0; s < A; ++s)
       for (int t = 0; t < T; ++t) sums[s][t] = _mm512_setzero_si512();
     for (int chunk = 0; chunk < 4; ++chunk) {  // 8 columns: four pairs
+      if (TYPE == Q6_K && chunk == 2)
+        for (int t = 0; t < T; ++t) {
+          first[t] = sums[0][t];
+          for (int s = 1; s < A; ++s) first[t] = _mm512_add_epi32(first[t], sums[s][t]);
+          for (int s = 0; s < A; ++s) sums[s][t] = _mm512_setzero_si512();
+        }
       const int16_t* a = x.a.data() + t0 * k + b * QK + 8 * chunk;
       const uint8_t* i0 = p0 + ints_at + (bytes_q(TYPE) ? 64 : 32) * chunk;
       const uint8_t* i1 = p1 + ints_at + (bytes_q(TYPE) ? 64 : 32) * chunk;
@@ -331,7 +474,11 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
         for (int half = 0; half < 2; ++half) {
           const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(i1 + 16 * half),
                                                                      reinterpret_cast<const __m128i*>(i0 + 16 * half)));
-          const __m512i low = _mm512_and_si512(v, nibbles), high = _mm512_srli_epi16(v, 4);
+          __m512i low = _mm512_and_si512(v, nibbles), high = _mm512_srli_epi16(v, 4);
+          if constexpr (planes(TYPE) > 0) {
+            low = with_planes(low, p0, p1, 4 * chunk + half);
+            high = with_planes(high, p0, p1, 4 * chunk + half + 2);
+          }
           for (int t = 0; t < T; ++t)
             sums[half % A][t] = _mm512_dpwssd_epi32(sums[half % A][t], low, pair_of_512(a + t * k + 2 * half));
           for (int t = 0; t < T; ++t)
@@ -342,15 +489,38 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
     }
     for (int s = 1; s < A; ++s)
       for (int t = 0; t < T; ++t) sums[0][t] = _mm512_add_epi32(sums[0][t], sums[s][t]);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1),
-                                                         reinterpret_cast<const __m128i*>(p0)));
-    const __m512 m = has_min(TYPE) ? _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1 + 2 * ROWS),
-                                                                        reinterpret_cast<const __m128i*>(p0 + 2 * ROWS)))
-                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    auto halves = [](const uint8_t* q0, const uint8_t* q1) {  // 8 float16 of each group
+      return _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(q1),
+                                                 reinterpret_cast<const __m128i*>(q0)));
+    };
+    auto bytes_16 = [](const uint8_t* q0, const uint8_t* q1, bool is_signed) {  // 8 bytes of each group
+      int64_t lo, hi;
+      std::memcpy(&lo, q0, 8);
+      std::memcpy(&hi, q1, 8);
+      const __m128i v = _mm_set_epi64x(hi, lo);
+      return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+    };
+    __m512 d0, d1, m;
+    if constexpr (!k_quant(TYPE)) {
+      d0 = d1 = halves(p0, p1);
+      m = has_min(TYPE) ? halves(p0 + 2 * ROWS, p1 + 2 * ROWS)
+          : _mm512_mul_ps(d0, _mm512_set1_ps(TYPE == Q5_0 ? -16.0f : -8.0f));
+    } else {
+      const uint8_t* s0 = super_of(g0, TYPE, b);
+      const uint8_t* s1 = super_of(g1, TYPE, b);
+      const __m512 d = halves(s0, s1);
+      d0 = _mm512_mul_ps(d, bytes_16(p0, p1, TYPE == Q6_K));
+      d1 = TYPE == Q6_K ? _mm512_mul_ps(d, bytes_16(p0 + ROWS, p1 + ROWS, true)) : d0;
+      m = TYPE == Q6_K ? d0 : _mm512_xor_ps(_mm512_set1_ps(-0.0f),  // -(d_min m)
+          _mm512_mul_ps(halves(s0 + 2 * ROWS, s1 + 2 * ROWS), bytes_16(p0 + ROWS, p1 + ROWS, false)));
+    }
     for (int t = 0; t < T; ++t) {
       const int64_t i = (t0 + t) * nb + b;
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[0][t]), _mm512_mul_ps(d, _mm512_set1_ps(x.scale[i])), acc[t]);
-      if constexpr (TYPE != Q8_0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scaled_sum[i]), acc[t]);
+      const __m512 scale = _mm512_set1_ps(x.scale[i]);
+      if constexpr (TYPE == Q6_K)
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first[t]), _mm512_mul_ps(d0, scale), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[0][t]), _mm512_mul_ps(d1, scale), acc[t]);
+      if constexpr (offset_step(TYPE)) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scaled_sum[i]), acc[t]);
     }
   }
   const __mmask16 real = static_cast<__mmask16>((1u << rows) - 1);
@@ -384,10 +554,9 @@ void pair_rows(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
 void pair_rows(const uint8_t* g0, const uint8_t* g1, int type, int64_t nb, const Rounded& x, int64_t tokens, float* y,
                int64_t n_out, int rows) {
   switch (type) {
-    case Q4_0: return pair_rows<Q4_0>(g0, g1, nb, x, tokens, y, n_out, rows);
-    case Q4_1: return pair_rows<Q4_1>(g0, g1, nb, x, tokens, y, n_out, rows);
-    case Q8_0: return pair_rows<Q8_0>(g0, g1, nb, x, tokens, y, n_out, rows);
-    case Q8_M: return pair_rows<Q8_M>(g0, g1, nb, x, tokens, y, n_out, rows);
+#define CASE(TYPE) case TYPE: return pair_rows<TYPE>(g0, g1, nb, x, tokens, y, n_out, rows);
+    SPECDEC_TYPES(CASE)
+#undef CASE
   }
 }
 #endif  // AVX-512
@@ -414,18 +583,24 @@ void round_row_portable(const float* x, int64_t k, int16_t* a, float* scale, flo
 
 void group_rows_portable(const uint8_t* group, int type, int64_t nb, const Rounded& x, int64_t tokens, float* y,
                          int64_t n_out, int rows) {
-  const int bytes = group_bytes(type);
   for (int64_t t = 0; t < tokens; ++t)
     for (int r = 0; r < rows; ++r) {
       float acc = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = group + b * bytes;
+        const uint8_t* p = block_of(group, type, b);
         const int16_t* a = x.a.data() + (t * nb + b) * QK;
-        int32_t sum = 0;
-        for (int c = 0; c < QK; ++c) sum += packed_int(p, type, r, c) * a[c];
-        const float d = half(p + 2 * r);
-        acc = std::fma(static_cast<float>(sum), d * x.scale[t * nb + b], acc);
-        if (type != Q8_0) acc = std::fma(offset(p, type, r, d), x.scaled_sum[t * nb + b], acc);
+        int32_t sums[2] = {0, 0};  // columns 0-15, 16-31
+        for (int c = 0; c < QK; ++c) sums[c / 16] += packed_int(p, type, r, c) * a[c];
+        float d0, d1, m;
+        block_scales(super_of(group, type, b), p, type, r, d0, d1, m);
+        const float s = x.scale[t * nb + b];
+        if (type == Q6_K) {
+          acc = std::fma(static_cast<float>(sums[0]), d0 * s, acc);
+          acc = std::fma(static_cast<float>(sums[1]), d1 * s, acc);
+        } else {
+          acc = std::fma(static_cast<float>(sums[0] + sums[1]), d0 * s, acc);
+        }
+        if (offset_step(type)) acc = std::fma(m, x.scaled_sum[t * nb + b], acc);
       }
       y[t * n_out + r] = acc;
     }
@@ -465,28 +640,52 @@ std::string set_isa(const std::string& name) {
   TORCH_CHECK(false, "no path ", name, " in this build (it has ", c10::Join(", ", isas()), ")");
 }
 
-// File blocks [N, K / 32 * block_bytes] uint8 -> the packed layout [ceil(N / 8), K / 32 * 8 * block_bytes].
+// The file's blocks [N, K / file_weights * file_bytes] uint8 -> the packed layout
+// [ceil(N / 8), group_stride(K / 32)].
 torch::Tensor pack(torch::Tensor w, int64_t type) {
+  check_type(type);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8, "w must be [N, bytes] uint8");
   w = w.contiguous();
-  const int bytes = block_bytes(type);
+  const int bytes = file_bytes(type);
   TORCH_CHECK(w.size(1) % bytes == 0, "rows of ", w.size(1), " bytes are not whole blocks");
-  const int64_t N = w.size(0), nb = w.size(1) / bytes, groups = (N + ROWS - 1) / ROWS;
-  auto out = torch::zeros({groups, nb * group_bytes(type)}, w.options());
+  const int64_t N = w.size(0), nb = w.size(1) / bytes * (file_weights(type) / QK), groups = (N + ROWS - 1) / ROWS;
+  auto out = torch::zeros({groups, group_stride(type, nb)}, w.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; ++n) {
     const int r = n % ROWS;
+    const uint8_t* row = wp + n * w.size(1);
+    uint8_t* group = op + (n / ROWS) * out.size(1);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* src = wp + n * w.size(1) + b * bytes;
-      uint8_t* dst = op + (n / ROWS) * out.size(1) + b * group_bytes(type);
-      std::memcpy(dst + 2 * r, src, 2);                                        // d
-      if (has_min(type)) std::memcpy(dst + 2 * ROWS + 2 * r, src + 2, 2);      // m
+      uint8_t* super = const_cast<uint8_t*>(super_of(group, type, b));
+      uint8_t* dst = const_cast<uint8_t*>(block_of(group, type, b));
+      if (!k_quant(type)) {
+        const uint8_t* src = row + b * bytes;
+        std::memcpy(dst + 2 * r, src, 2);                                        // d
+        if (has_min(type)) std::memcpy(dst + 2 * ROWS + 2 * r, src + 2, 2);      // m
+      } else {
+        const uint8_t* src = row + b / 8 * bytes;
+        const int s = b % 8;
+        if (type == Q6_K) {
+          std::memcpy(super + 2 * r, src + 208, 2);                              // d
+          dst[r] = src[192 + 2 * s], dst[ROWS + r] = src[192 + 2 * s + 1];       // sc of columns 0-15, 16-31
+        } else {
+          std::memcpy(super + 2 * r, src, 2);                                    // d
+          std::memcpy(super + 2 * ROWS + 2 * r, src + 2, 2);                     // d_min
+          k_scale_min(src + 4, s, dst[r], dst[ROWS + r]);                        // sc, m
+        }
+      }
       for (int c = 0; c < QK; ++c) {
         bool high;
         uint8_t& byte = dst[ints_offset(type) + packed_index(type, r, c, high)];
-        const int q = file_int(src, type, c);
-        byte = bytes_q(type) ? static_cast<uint8_t>(q) : high ? (byte | (q << 4)) : (byte | q);
+        const int q = file_q(row, type, b, c);
+        byte = bytes_q(type) ? static_cast<uint8_t>(q) : high ? (byte | (q & 15) << 4) : (byte | (q & 15));
+        for (int plane = 0; plane < planes(type); ++plane)
+          if ((q >> (4 + plane)) & 1) {
+            uint8_t* word = dst + planes_offset(type) + 2 * (QK / 2 * plane + c / 2);
+            const int lane = 2 * r + c % 2;
+            word[lane / 8] |= static_cast<uint8_t>(1 << (lane % 8));  // little-endian, as plane_word reads it
+          }
       }
     }
   }
@@ -539,8 +738,9 @@ void matmul_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64
 // The packed blocks w hold N rows of x's K columns: a check for `matmul_rows`' callers.
 void check_packed(const torch::Tensor& w, int64_t type, int64_t K, int64_t N) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be packed blocks");
-  TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * group_bytes(type) && w.size(0) == (N + ROWS - 1) / ROWS,
-              "w's packed blocks do not cover ", N, " rows of ", K, " columns");
+  check_type(type);
+  TORCH_CHECK(K % file_weights(type) == 0 && w.size(1) == group_stride(type, K / QK) &&
+              w.size(0) == (N + ROWS - 1) / ROWS, "w's packed blocks do not cover ", N, " rows of ", K, " columns");
 }
 
 // x: [M, K] float32; w: the packed blocks of N rows (pack) -> [M, N] float32.
@@ -555,27 +755,32 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N) 
 }
 
 // Rows `ids` of the packed blocks of N rows, de-quantized: [len(ids), K] float32 (an
-// embedding lookup): weight = q * d + m (Q4_1, Q8_M), (q - 8) * d (Q4_0), q * d (Q8_0).
+// embedding lookup): weight = q * d + m, as gguf's reference code computes it (the
+// types' own formulas, block_scales' d and m, each product and sum rounded once).
 torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t N, torch::Tensor ids) {
+  check_type(type);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be packed blocks");
-  TORCH_CHECK(w.size(1) % group_bytes(type) == 0 && w.size(0) == (N + ROWS - 1) / ROWS, "w does not hold ", N,
+  TORCH_CHECK(w.size(1) % super_bytes(type) == 0 && w.size(0) == (N + ROWS - 1) / ROWS, "w does not hold ", N,
               " packed rows");
   ids = ids.to(torch::kLong).contiguous();
-  const int64_t nb = w.size(1) / group_bytes(type), K = nb * QK, n = ids.numel();
+  const int64_t nb = w.size(1) / super_bytes(type) * super_blocks(type), K = nb * QK, n = ids.numel();
   auto out = torch::empty({n, K}, torch::dtype(torch::kFloat32));
   const int64_t* ip = ids.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row ", ip[i], " out of range");
     const int r = ip[i] % ROWS;
+    const uint8_t* group = w.data_ptr<uint8_t>() + (ip[i] / ROWS) * w.size(1);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* p = w.data_ptr<uint8_t>() + (ip[i] / ROWS) * w.size(1) + b * group_bytes(type);
-      const float d = half(p + 2 * r);
-      const float m = has_min(type) ? half(p + 2 * ROWS + 2 * r) : 0.0f;
+      const uint8_t* p = block_of(group, type, b);
+      float d0, d1, m;
+      block_scales(super_of(group, type, b), p, type, r, d0, d1, m);
       for (int c = 0; c < QK; ++c) {
-        const int q = packed_int(p, type, r, c);
-        // q * d is exact in float32: one rounding, as numpy's
-        o[i * K + b * QK + c] = has_min(type) ? q * d + m : type == Q4_0 ? (q - 8) * d : q * d;
+        const int q = packed_int(p, type, r, c);  // Q6_K's: q - 32
+        const float d = c < 16 ? d0 : d1;
+        // q * d is exact in float32 but for K types' d sc (rounded once, as numpy's)
+        o[i * K + b * QK + c] = has_min(type) || type == Q4_K || type == Q5_K ? q * d + m
+                              : type == Q4_0 ? (q - 8) * d : type == Q5_0 ? (q - 16) * d : q * d;
       }
     }
   }
