@@ -301,10 +301,26 @@ def quantize(model, method: str):
         _to_blocks(model, method, source)
     else:
         _to_int8(model)
+    _let_go_of_the_checkpoint(model)
     model.config.specdec_quantize = method
     if model._can_set_attn_implementation():
         model.set_attn_implementation(FLOAT64_ATTENTION)  # the engine sets its own, in float64 too
     return model
+
+
+def _let_go_of_the_checkpoint(model) -> None:
+    """The float tensors the quantized model keeps (norms, biases) copied into memory of
+    their own. transformers maps the checkpoint's file and makes every tensor a view of
+    that one map: while a norm's weight held it, the map stayed, and with it every page
+    of the float weights the quantization had read (the real pair's 1.5B: 9.1 GiB
+    resident for 1.1 GB of blocks, 2.6 after)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                p.data = p.data.clone()
+            for name, b in list(module.named_buffers(recurse=False)):
+                if b is not None and name != "packed":  # the blocks: already ours, on huge pages (ggml.arrange)
+                    setattr(module, name, b.clone())
 
 
 def _to_blocks(model, method: str, source: str | None) -> None:
