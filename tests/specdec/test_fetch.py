@@ -124,3 +124,11 @@ def test_specdec_fetch_shows_its_progress_and_prints_the_path(index, tmp_path):
     unknown = subprocess.run([sys.executable, "-m", "deploy.cli", "fetch", "no-such-model"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and "qwen2.5-coder-1.5b-instruct" in unknown.stderr
+
+
+def test_a_malformed_catalog_entry_is_named_with_its_variable():
+    assert fetch._entries(" ; ") == {}
+    with pytest.raises(ValueError, match="SPECDEC_FETCH_CATALOG: 'tiny-model=a,b,2' is not"):
+        fetch._entries("tiny-model=a,b,2")
+    with pytest.raises(ValueError, match="SPECDEC_FETCH_CATALOG"):
+        fetch._entries("tiny-model=f,p,two,1,abc,10")

@@ -34,7 +34,7 @@ def cpu():
     `forward` takes a pass through all of them in one call."""
     from torch.utils import cpp_extension
 
-    from specdec.model_files import cache_root
+    from specdec.cache import cache_root
 
     sources = [_HERE / name for name in SOURCES]
     build = cache_root() / "kernels" / f"cpu-{build_key()}"
