@@ -77,8 +77,9 @@ constexpr bool has_min(int type) { return type == Q4_1 || type == Q5_1 || type =
 constexpr bool bytes_q(int type) { return type == Q8_0 || type == Q8_M; }
 // Whether a block's outputs take the second step, acc = fma(m, s * sum(a), acc).
 constexpr bool offset_step(int type) { return type != Q8_0 && type != Q6_K; }
-// Bits of q above the low 4, each kept as a plane of its own (Q5: one, Q6_K: two).
+// Bits of q above the low 4: Q5's one kept as a plane, Q6_K's two as crumbs (the layout below).
 constexpr int planes(int type) { return type == Q5_0 || type == Q5_1 || type == Q5_K ? 1 : type == Q6_K ? 2 : 0; }
+constexpr bool crumbs(int type) { return type == Q6_K; }
 // The weights of one of the file's blocks, and its bytes.
 constexpr int file_weights(int type) { return k_quant(type) ? 256 : QK; }
 constexpr int file_bytes(int type) {
@@ -95,9 +96,13 @@ void check_type(int64_t type) { TORCH_CHECK(known(static_cast<int>(type)), "unsu
 // broadcast pair of activations, gives each row's sum over the two columns in its own
 // 32-bit lane. 4-bit q packs that vector's 16 integers as the low nibbles of 16 bytes and
 // another's as their high nibbles: in each 32 bytes (8 columns), the low nibbles hold
-// columns 0-3, the high ones 4-7, two columns to a half. The bits above the low 4 follow,
-// a plane each: per pair of columns, a 16-bit word whose bit 2 r + (column % 2) is that
-// bit of row r's q. A K type's 8 blocks follow their superblock's d (and d_min) of the
+// columns 0-3, the high ones 4-7, two columns to a half. The bits above the low 4 follow.
+// Q5's fifth as a plane: per pair of columns, a 16-bit word whose bit 2 r + (column % 2)
+// is that bit of row r's q. Q6_K's two as crumbs: per 8 columns, 16 bytes, byte
+// 2 r + (column % 2) holding in bits 2 w and 2 w + 1 those of row r's q in the w-th pair
+// of the 8 (the nibbles' lanes: one widening and a shift give every lane its two bits;
+// as two planes, each lane's bits were a mask of its own to build, and bound Q6_K's
+// products at 0.6x Q4_K's bytes a second). A K type's 8 blocks follow their superblock's d (and d_min) of the
 // 8 rows, float16. The bytes are the file's bytes, rearranged (a K block's 6-bit sc and
 // m widened to a byte each: 16 bytes a superblock more than the file's 1152).
 constexpr int head_bytes(int type) { return k_quant(type) ? 2 * ROWS : (has_min(type) ? 4 : 2) * ROWS; }
@@ -176,6 +181,9 @@ inline int packed_index(int type, int r, int c, bool& high) {
   return 32 * chunk + 16 * (within % 2) + lane;
 }
 
+// The byte of a packed block's crumbs that holds (row r, column c)'s two bits above the low 4.
+inline int crumb_index(int type, int r, int c) { return planes_offset(type) + 16 * (c / 8) + 2 * r + c % 2; }
+
 // Plane `plane`'s word of column pair `pair` in a packed block.
 inline uint16_t plane_word(const uint8_t* block, int type, int plane, int pair) {
   uint16_t word;
@@ -190,9 +198,10 @@ inline int packed_int(const uint8_t* block, int type, int r, int c) {
   if (type == Q8_0) return static_cast<int8_t>(byte);
   if (type == Q8_M) return byte;
   int q = high ? byte >> 4 : byte & 15;
+  if (crumbs(type)) return (q | ((block[crumb_index(type, r, c)] >> (2 * (c / 2 % 4))) & 3) << 4) - 32;
   for (int plane = 0; plane < planes(type); ++plane)
     q |= ((plane_word(block, type, plane, c / 2) >> (2 * r + c % 2)) & 1) << (4 + plane);
-  return type == Q6_K ? q - 32 : q;
+  return q;
 }
 
 // Row r's scales of a packed block: d for columns 0-15 and 16-31 (the same but for
@@ -230,9 +239,12 @@ inline float block_scale(float amax) { return amax / 32767.0f; }
 // the products well below the memory's bandwidth on a Xeon (AVX-512, one thread, 166 MB
 // of Q4_1 blocks streamed: 7.0 GB/s; with the blocks 8 KiB ahead asked for at each block,
 // 10.5 GB/s into L1, 11.2 into L2, 12.0 into L3, the plain reads' 15.4 the bound; 16 and
-// 32 KiB ahead no better). A hint only: it never faults, past the end of the weights
-// included.
-constexpr int AHEAD = 8192;
+// 32 KiB ahead no better). On an AMD EPYC (AVX-512 VNNI, 2 threads), the 1.5B Qwen2.5-Coder's
+// Q4_K_M products in a pass's order, best of 5, two runs: 8 KiB ahead 44.4 and 39.9 ms,
+// 4 KiB 46.6 and 49.9, 16 KiB 40.7 and 34.2, 24 KiB 38.4 and 35.1, 32 KiB 36.4 and 30.8,
+// 64 KiB 34.8 and 30.4, none 47.0 and 47.7. A hint only: it never faults, past the end of
+// the weights included.
+constexpr int AHEAD = 32768;
 template <int BYTES>
 inline void prefetch_ahead(const uint8_t* block) {
   for (int line = 0; line < BYTES; line += 64) _mm_prefetch(reinterpret_cast<const char*>(block + AHEAD + line), _MM_HINT_T2);
@@ -292,6 +304,15 @@ inline __m256i with_plane(__m256i w, uint16_t word, short value) {
   return _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi16(bits, lanes), _mm256_set1_epi16(value)));
 }
 
+// The crumbs of the w-th pair of 8 columns (crumbs: the bytes widened to 16-bit lanes) as
+// bits 4 and 5 of each lane.
+template <int W>
+inline __m256i crumb(__m256i crumbs) {
+  const __m256i both = _mm256_set1_epi16(0x30);
+  if constexpr (W < 2) return _mm256_and_si256(_mm256_slli_epi16(crumbs, 4 - 2 * W), both);
+  return _mm256_and_si256(W == 2 ? crumbs : _mm256_srli_epi16(crumbs, 2), both);
+}
+
 inline __m256 bytes_to_floats(const uint8_t* p, bool is_signed) {  // 8 bytes -> 8 floats
   const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
@@ -318,15 +339,17 @@ void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, 
       if (TYPE == Q6_K && chunk == 2)
         for (int t = 0; t < T; ++t) first[t] = sums[t], sums[t] = _mm256_setzero_si256();
       const int16_t* a = x.a.data() + t0 * k + b * QK + 8 * chunk;
-      __m256i lo, hi;
+      __m256i lo, hi, high_bits;
+      if constexpr (crumbs(TYPE))
+        high_bits = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + planes_offset(TYPE) + 16 * chunk)));
       if constexpr (!bytes_q(TYPE)) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ints + 32 * chunk));
         lo = _mm256_and_si256(v, nibbles), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
       }
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        // One pair's 8 rows at a time, each multiplied into every token's sums before the
-        // next is unpacked: few live registers, nothing spilled.
+      // One pair's 8 rows at a time, each multiplied into every token's sums before the
+      // next is unpacked: few live registers, nothing spilled.
+      auto pair = [&](auto j_) {
+        constexpr int j = decltype(j_)::value;
         __m256i w;
         if constexpr (TYPE == Q8_0) {
           w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + 64 * chunk + 16 * j)));
@@ -335,13 +358,18 @@ void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, 
         } else {
           const __m256i half = j < 2 ? lo : hi;
           w = _mm256_cvtepu8_epi16(j % 2 ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half));
-          for (int plane = 0; plane < planes(TYPE); ++plane)
-            w = with_plane(w, plane_word(p, TYPE, plane, 4 * chunk + j), static_cast<short>(16 << plane));
-          if constexpr (TYPE == Q6_K) w = _mm256_sub_epi16(w, _mm256_set1_epi16(32));
+          if constexpr (crumbs(TYPE)) {
+            w = _mm256_sub_epi16(_mm256_or_si256(w, crumb<j>(high_bits)), _mm256_set1_epi16(32));
+          } else {
+            for (int plane = 0; plane < planes(TYPE); ++plane)
+              w = with_plane(w, plane_word(p, TYPE, plane, 4 * chunk + j), static_cast<short>(16 << plane));
+          }
         }
         for (int t = 0; t < T; ++t)
           sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(w, pair_of(a + t * k + 2 * j)));
-      }
+      };
+      pair(std::integral_constant<int, 0>()), pair(std::integral_constant<int, 1>());
+      pair(std::integral_constant<int, 2>()), pair(std::integral_constant<int, 3>());
     }
     __m256 d0, d1, m;
     if constexpr (!k_quant(TYPE)) {
@@ -436,7 +464,15 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
                              static_cast<__mmask32>(plane_word(p1, TYPE, plane, pair)) << 16;
       w = _mm512_mask_add_epi16(w, bits, w, _mm512_set1_epi16(static_cast<short>(16 << plane)));
     }
-    return TYPE == Q6_K ? _mm512_sub_epi16(w, _mm512_set1_epi16(32)) : w;
+    return w;
+  };
+  // Q6_K: the crumbs of pair w of the chunk as bits 4 and 5, less 32 (crumbs: the two groups' bytes widened).
+  auto with_crumbs = [](__m512i w, __m512i crumbs, auto w_) {
+    constexpr int W = decltype(w_)::value;
+    const __m512i both = _mm512_set1_epi16(0x30);
+    const __m512i bits = W < 2 ? _mm512_and_si512(_mm512_slli_epi16(crumbs, 4 - 2 * W), both)
+                         : _mm512_and_si512(W == 2 ? crumbs : _mm512_srli_epi16(crumbs, 2), both);
+    return _mm512_sub_epi16(_mm512_or_si512(w, bits), _mm512_set1_epi16(32));
   };
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p0 = block_of(g0, TYPE, b);
@@ -470,12 +506,20 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
         // ones, bytes 16-31 pairs 1 and 3: each byte widened to a 16-bit lane (one shuffle
         // for two pairs' 16 rows), the nibbles are a mask and a shift apart. The shuffles
         // were what bound a one-token pass (compute alone, cache-hot: 31.6 -> 38.4 GB/s).
-#pragma GCC unroll 2
-        for (int half = 0; half < 2; ++half) {
+        __m512i high_bits;
+        if constexpr (crumbs(TYPE))
+          high_bits = _mm512_cvtepu8_epi16(
+              _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1 + planes_offset(TYPE) + 16 * chunk),
+                                  reinterpret_cast<const __m128i*>(p0 + planes_offset(TYPE) + 16 * chunk)));
+        auto halves_of = [&](auto half_) {
+          constexpr int half = decltype(half_)::value;
           const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(i1 + 16 * half),
                                                                      reinterpret_cast<const __m128i*>(i0 + 16 * half)));
           __m512i low = _mm512_and_si512(v, nibbles), high = _mm512_srli_epi16(v, 4);
-          if constexpr (planes(TYPE) > 0) {
+          if constexpr (crumbs(TYPE)) {
+            low = with_crumbs(low, high_bits, std::integral_constant<int, half>());
+            high = with_crumbs(high, high_bits, std::integral_constant<int, half + 2>());
+          } else if constexpr (planes(TYPE) > 0) {
             low = with_planes(low, p0, p1, 4 * chunk + half);
             high = with_planes(high, p0, p1, 4 * chunk + half + 2);
           }
@@ -484,7 +528,8 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
           for (int t = 0; t < T; ++t)
             sums[(half + 2) % A][t] =
                 _mm512_dpwssd_epi32(sums[(half + 2) % A][t], high, pair_of_512(a + t * k + 2 * (half + 2)));
-        }
+        };
+        halves_of(std::integral_constant<int, 0>()), halves_of(std::integral_constant<int, 1>());
       }
     }
     for (int s = 1; s < A; ++s)
@@ -680,6 +725,10 @@ torch::Tensor pack(torch::Tensor w, int64_t type) {
         uint8_t& byte = dst[ints_offset(type) + packed_index(type, r, c, high)];
         const int q = file_q(row, type, b, c);
         byte = bytes_q(type) ? static_cast<uint8_t>(q) : high ? (byte | (q & 15) << 4) : (byte | (q & 15));
+        if (crumbs(type)) {
+          dst[crumb_index(type, r, c)] |= static_cast<uint8_t>((q >> 4 & 3) << (2 * (c / 2 % 4)));
+          continue;
+        }
         for (int plane = 0; plane < planes(type); ++plane)
           if ((q >> (4 + plane)) & 1) {
             uint8_t* word = dst + planes_offset(type) + 2 * (QK / 2 * plane + c / 2);
