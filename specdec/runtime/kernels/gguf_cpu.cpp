@@ -102,8 +102,8 @@ void check_type(int64_t type) { TORCH_CHECK(known(static_cast<int>(type)), "unsu
 // 2 r + (column % 2) holding in bits 2 w and 2 w + 1 those of row r's q in the w-th pair
 // of the 8 (the nibbles' lanes: one widening and a shift give every lane its two bits;
 // as two planes, each lane's bits were a mask of its own to build, and bound Q6_K's
-// products at 0.6x Q4_K's bytes a second). A K type's 8 blocks follow their superblock's d (and d_min) of the
-// 8 rows, float16. The bytes are the file's bytes, rearranged (a K block's 6-bit sc and
+// products at 0.6x Q4_K's bytes a second). A K type's 8 blocks follow their superblock's
+// d (and d_min) of the 8 rows, float16. The bytes are the file's bytes, rearranged (a K block's 6-bit sc and
 // m widened to a byte each: 16 bytes a superblock more than the file's 1152).
 constexpr int head_bytes(int type) { return k_quant(type) ? 2 * ROWS : (has_min(type) ? 4 : 2) * ROWS; }
 constexpr int ints_offset(int type) { return head_bytes(type); }
