@@ -304,13 +304,14 @@ inline __m256i with_plane(__m256i w, uint16_t word, short value) {
   return _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi16(bits, lanes), _mm256_set1_epi16(value)));
 }
 
-// The crumbs of the w-th pair of 8 columns (crumbs: the bytes widened to 16-bit lanes) as
-// bits 4 and 5 of each lane.
+// Q6_K: the crumbs of the w-th pair of 8 columns (crumbs: the bytes widened to 16-bit
+// lanes) as bits 4 and 5 of each lane of w, less 32.
 template <int W>
-inline __m256i crumb(__m256i crumbs) {
+inline __m256i with_crumbs(__m256i w, __m256i crumbs) {
   const __m256i both = _mm256_set1_epi16(0x30);
-  if constexpr (W < 2) return _mm256_and_si256(_mm256_slli_epi16(crumbs, 4 - 2 * W), both);
-  return _mm256_and_si256(W == 2 ? crumbs : _mm256_srli_epi16(crumbs, 2), both);
+  const __m256i bits = W < 2 ? _mm256_and_si256(_mm256_slli_epi16(crumbs, 4 - 2 * W), both)
+                       : _mm256_and_si256(W == 2 ? crumbs : _mm256_srli_epi16(crumbs, 2), both);
+  return _mm256_sub_epi16(_mm256_or_si256(w, bits), _mm256_set1_epi16(32));
 }
 
 inline __m256 bytes_to_floats(const uint8_t* p, bool is_signed) {  // 8 bytes -> 8 floats
@@ -329,6 +330,7 @@ void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, 
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   const __m256i nibbles = _mm256_set1_epi8(15);
+  __m256 d, neg_d_min;  // a K type's superblock: its d (and -d_min) of the 8 rows
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = block_of(group, TYPE, b);
     const uint8_t* ints = p + ints_at;
@@ -359,7 +361,7 @@ void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, 
           const __m256i half = j < 2 ? lo : hi;
           w = _mm256_cvtepu8_epi16(j % 2 ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half));
           if constexpr (crumbs(TYPE)) {
-            w = _mm256_sub_epi16(_mm256_or_si256(w, crumb<j>(high_bits)), _mm256_set1_epi16(32));
+            w = with_crumbs<j>(w, high_bits);
           } else {
             for (int plane = 0; plane < planes(TYPE); ++plane)
               w = with_plane(w, plane_word(p, TYPE, plane, 4 * chunk + j), static_cast<short>(16 << plane));
@@ -377,13 +379,16 @@ void group_tile(const uint8_t* group, int64_t nb, const Rounded& x, int64_t t0, 
       m = has_min(TYPE) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * ROWS)))
           : _mm256_mul_ps(d0, _mm256_set1_ps(TYPE == Q5_0 ? -16.0f : -8.0f));
     } else {
-      const uint8_t* s = super_of(group, TYPE, b);
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      if (b % super_blocks(TYPE) == 0) {  // converted once a superblock
+        const uint8_t* s = super_of(group, TYPE, b);
+        d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+        if constexpr (TYPE != Q6_K)
+          neg_d_min = _mm256_xor_ps(_mm256_set1_ps(-0.0f),
+                                    _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * ROWS))));
+      }
       d0 = _mm256_mul_ps(d, bytes_to_floats(p, TYPE == Q6_K));
       d1 = TYPE == Q6_K ? _mm256_mul_ps(d, bytes_to_floats(p + ROWS, true)) : d0;
-      m = TYPE == Q6_K ? d0 : _mm256_xor_ps(_mm256_set1_ps(-0.0f),  // -(d_min m)
-          _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * ROWS))),
-                        bytes_to_floats(p + ROWS, false)));
+      m = TYPE == Q6_K ? d0 : _mm256_mul_ps(neg_d_min, bytes_to_floats(p + ROWS, false));  // -(d_min m)
     }
     for (int t = 0; t < T; ++t) {
       const int64_t i = (t0 + t) * nb + b;
@@ -438,6 +443,15 @@ void group_rows(const uint8_t* group, int type, int64_t nb, const Rounded& x, in
     defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPECDEC_AVX512 1
 
+// with_crumbs, two groups to a vector (crumbs: the two groups' bytes widened).
+template <int W>
+inline __m512i with_crumbs(__m512i w, __m512i crumbs) {
+  const __m512i both = _mm512_set1_epi16(0x30);
+  const __m512i bits = W < 2 ? _mm512_and_si512(_mm512_slli_epi16(crumbs, 4 - 2 * W), both)
+                       : _mm512_and_si512(W == 2 ? crumbs : _mm512_srli_epi16(crumbs, 2), both);
+  return _mm512_sub_epi16(_mm512_or_si512(w, bits), _mm512_set1_epi16(32));
+}
+
 inline __m512i pair_of_512(const int16_t* a) {  // two activations, in every 32-bit lane
   int32_t v;
   std::memcpy(&v, a, 4);
@@ -456,6 +470,18 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
   const int64_t k = nb * QK;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  auto f16s = [](const uint8_t* q0, const uint8_t* q1) {  // 8 float16 of each group
+    return _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(q1),
+                                               reinterpret_cast<const __m128i*>(q0)));
+  };
+  auto bytes_16 = [](const uint8_t* q0, const uint8_t* q1, bool is_signed) {  // 8 bytes of each group
+    int64_t lo, hi;
+    std::memcpy(&lo, q0, 8);
+    std::memcpy(&hi, q1, 8);
+    const __m128i v = _mm_set_epi64x(hi, lo);
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+  };
+  __m512 d, neg_d_min;  // a K type's superblock: its d (and -d_min) of the 16 rows
   const __m512i nibbles = _mm512_set1_epi16(15);
   // A plane's bit of each lane (the two groups' words: a 32-bit mask) added where it is set.
   auto with_planes = [](__m512i w, const uint8_t* p0, const uint8_t* p1, int pair) {
@@ -465,14 +491,6 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
       w = _mm512_mask_add_epi16(w, bits, w, _mm512_set1_epi16(static_cast<short>(16 << plane)));
     }
     return w;
-  };
-  // Q6_K: the crumbs of pair w of the chunk as bits 4 and 5, less 32 (crumbs: the two groups' bytes widened).
-  auto with_crumbs = [](__m512i w, __m512i crumbs, auto w_) {
-    constexpr int W = decltype(w_)::value;
-    const __m512i both = _mm512_set1_epi16(0x30);
-    const __m512i bits = W < 2 ? _mm512_and_si512(_mm512_slli_epi16(crumbs, 4 - 2 * W), both)
-                         : _mm512_and_si512(W == 2 ? crumbs : _mm512_srli_epi16(crumbs, 2), both);
-    return _mm512_sub_epi16(_mm512_or_si512(w, bits), _mm512_set1_epi16(32));
   };
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p0 = block_of(g0, TYPE, b);
@@ -511,14 +529,14 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
           high_bits = _mm512_cvtepu8_epi16(
               _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1 + planes_offset(TYPE) + 16 * chunk),
                                   reinterpret_cast<const __m128i*>(p0 + planes_offset(TYPE) + 16 * chunk)));
-        auto halves_of = [&](auto half_) {
+        auto half_of = [&](auto half_) {  // bytes 0-15 of the chunk, or 16-31
           constexpr int half = decltype(half_)::value;
           const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(i1 + 16 * half),
                                                                      reinterpret_cast<const __m128i*>(i0 + 16 * half)));
           __m512i low = _mm512_and_si512(v, nibbles), high = _mm512_srli_epi16(v, 4);
           if constexpr (crumbs(TYPE)) {
-            low = with_crumbs(low, high_bits, std::integral_constant<int, half>());
-            high = with_crumbs(high, high_bits, std::integral_constant<int, half + 2>());
+            low = with_crumbs<half>(low, high_bits);
+            high = with_crumbs<half + 2>(high, high_bits);
           } else if constexpr (planes(TYPE) > 0) {
             low = with_planes(low, p0, p1, 4 * chunk + half);
             high = with_planes(high, p0, p1, 4 * chunk + half + 2);
@@ -529,35 +547,26 @@ void pair_tile(const uint8_t* g0, const uint8_t* g1, int64_t nb, const Rounded& 
             sums[(half + 2) % A][t] =
                 _mm512_dpwssd_epi32(sums[(half + 2) % A][t], high, pair_of_512(a + t * k + 2 * (half + 2)));
         };
-        halves_of(std::integral_constant<int, 0>()), halves_of(std::integral_constant<int, 1>());
+        half_of(std::integral_constant<int, 0>()), half_of(std::integral_constant<int, 1>());
       }
     }
     for (int s = 1; s < A; ++s)
       for (int t = 0; t < T; ++t) sums[0][t] = _mm512_add_epi32(sums[0][t], sums[s][t]);
-    auto halves = [](const uint8_t* q0, const uint8_t* q1) {  // 8 float16 of each group
-      return _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(q1),
-                                                 reinterpret_cast<const __m128i*>(q0)));
-    };
-    auto bytes_16 = [](const uint8_t* q0, const uint8_t* q1, bool is_signed) {  // 8 bytes of each group
-      int64_t lo, hi;
-      std::memcpy(&lo, q0, 8);
-      std::memcpy(&hi, q1, 8);
-      const __m128i v = _mm_set_epi64x(hi, lo);
-      return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
-    };
     __m512 d0, d1, m;
     if constexpr (!k_quant(TYPE)) {
-      d0 = d1 = halves(p0, p1);
-      m = has_min(TYPE) ? halves(p0 + 2 * ROWS, p1 + 2 * ROWS)
+      d0 = d1 = f16s(p0, p1);
+      m = has_min(TYPE) ? f16s(p0 + 2 * ROWS, p1 + 2 * ROWS)
           : _mm512_mul_ps(d0, _mm512_set1_ps(TYPE == Q5_0 ? -16.0f : -8.0f));
     } else {
-      const uint8_t* s0 = super_of(g0, TYPE, b);
-      const uint8_t* s1 = super_of(g1, TYPE, b);
-      const __m512 d = halves(s0, s1);
+      if (b % super_blocks(TYPE) == 0) {  // converted once a superblock
+        const uint8_t* s0 = super_of(g0, TYPE, b);
+        const uint8_t* s1 = super_of(g1, TYPE, b);
+        d = f16s(s0, s1);
+        if constexpr (TYPE != Q6_K) neg_d_min = _mm512_xor_ps(_mm512_set1_ps(-0.0f), f16s(s0 + 2 * ROWS, s1 + 2 * ROWS));
+      }
       d0 = _mm512_mul_ps(d, bytes_16(p0, p1, TYPE == Q6_K));
       d1 = TYPE == Q6_K ? _mm512_mul_ps(d, bytes_16(p0 + ROWS, p1 + ROWS, true)) : d0;
-      m = TYPE == Q6_K ? d0 : _mm512_xor_ps(_mm512_set1_ps(-0.0f),  // -(d_min m)
-          _mm512_mul_ps(halves(s0 + 2 * ROWS, s1 + 2 * ROWS), bytes_16(p0 + ROWS, p1 + ROWS, false)));
+      m = TYPE == Q6_K ? d0 : _mm512_mul_ps(neg_d_min, bytes_16(p0 + ROWS, p1 + ROWS, false));  // -(d_min m)
     }
     for (int t = 0; t < T; ++t) {
       const int64_t i = (t0 + t) * nb + b;
