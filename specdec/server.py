@@ -264,9 +264,9 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 def keep_what_is_loaded() -> None:
     """The objects a load leaves (the libraries' modules, the model) live as long as the
     process: frozen out of the collector's reach, so that a full collection while serving
-    no longer walks them, nor does the interpreter's at exit. On the tiny test verifier's
-    imports (375,000 objects): a full collection 0.21 s -> 0.00, the exit after them 1.2 s
-    -> 0.2. The load's own garbage is collected first, or it would be frozen with them."""
+    no longer walks them (a request in flight waited on it), nor does the interpreter's
+    at exit (docs/benchmarks.md#a-services-objects-frozen-once-it-has-loaded-on-a-cpu).
+    The load's own garbage is collected first, or it would be frozen with them."""
     gc.collect()
     gc.freeze()
 
