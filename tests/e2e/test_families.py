@@ -59,8 +59,8 @@ def test_each_family_served_on_its_blocks_is_the_target_alone(families, family):
     services, by_family = families
     service, (v, d, _, expected) = by_family[family]
     numerics = {"verifier": "q8_m/float32/cpu/layer-kernel", "drafter": "q8_m/float32/cpu/layer-kernel"}
-    if family == Q4_K_M:  # its q, k and v blocks differ in type: one product each, layer by layer
-        numerics["verifier"] = "gguf/float32/cpu/llama"
+    if family == Q4_K_M:  # its own blocks (q, k and v of two types: three parts of the layer kernel's product)
+        numerics["verifier"] = "gguf/float32/cpu/layer-kernel"
     for role, info in (("verifier", services.verifier_stub(v).GetModelInfo(verifier_pb2.GetModelInfoRequest(),
                                                                           timeout=10)),
                        ("drafter", services.drafter_stub(d).GetModelInfo(drafter_pb2.GetModelInfoRequest(),

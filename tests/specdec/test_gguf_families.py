@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from models import FAMILIES, bpe_tokenizer, build_family, in_q8_0, write_gguf
-from passes import rounds_of_its_own_tokens
+from passes import logits_by_forward, rounds_of_its_own_tokens
 from specdec import model_files
 from specdec.runtime import ggml, modeling, quantize
 from specdec.runtime.engine import Engine
@@ -189,8 +189,46 @@ def test_a_k_quant_file_runs_on_its_own_blocks_and_the_engine_is_its_generate(tm
     assert len(set(want[len(ids):])) > 8  # a degenerate model proves nothing
     engine = Engine(model, 16 << 20, threads=THREADS)
     try:
-        assert engine.numerics.startswith("gguf/float32/cpu")
+        assert engine.numerics == "gguf/float32/cpu/layer-kernel"  # v's blocks are not q's and k's: 3 products
         got = rounds_of_its_own_tokens(engine, ids, want)
         assert got == want[len(ids):len(ids) + len(got)]
+    finally:
+        engine.stop()
+
+
+def test_products_of_several_block_types_run_in_the_layer_kernel_as_the_python_pass(tmp_path, tokenizer):
+    """Where q, k and v (gate and up) are in blocks of different types they are not one
+    product (ggml.fuse), and the layer kernel takes each type's rows as a part of the
+    layer's product: the same logits, bit for bit, as the Python pass of the same modules,
+    for rows of several lengths in one pass and for a decode step, at more threads than
+    cores."""
+    from specdec.runtime.engine import model_runner
+
+    def mix(name: str) -> int:  # up in Q6_K too, so that gate and up are two products
+        return ggml.Q6_K if name.endswith("ffn_up.weight") else q4_k_m(name)
+
+    original = build_family("qwen2", tokenizer, tmp_path / "checkpoint", seed=4, hidden=256, eos_token_id=None)
+    model, _ = modeling.load_model(str(write_gguf(original, tokenizer, tmp_path / "mixed.gguf", mix)))
+    model = quantize.quantize(model, "auto")
+    layer = model.model.layers[0]
+    assert not hasattr(layer.self_attn, "shared_q_k_v") and not hasattr(layer.mlp, "shared_gate_up")
+    assert (layer.self_attn.k_proj.kind, layer.self_attn.v_proj.kind, layer.mlp.up_proj.kind) == \
+        (ggml.Q4_K, ggml.Q6_K, ggml.Q6_K)
+    engine = Engine(model, 16 << 20, threads=THREADS)
+    try:
+        kernel_forward = engine.runner.forward
+        assert kernel_forward.func is model_runner._layer_kernel_forward
+        seqs = [engine.new_sequence() for _ in range(3)]
+        for seq, text in zip(seqs, [TEXT, "Water boils at", "the printing of books changed"]):
+            seq.sync(0, tokenizer(text)["input_ids"])
+        outputs = logits_by_forward(engine, seqs, (kernel_forward, model_runner._llama_forward))
+        for forward, logits in zip((kernel_forward, model_runner._llama_forward), outputs):
+            engine.runner.forward = forward
+            seqs[0].extend([42])
+            logits.append(engine.forward_now(seqs[0], 1)[0])
+            seqs[0].sync(len(seqs[0].tokens) - 1, [])
+        assert len(set(outputs[0][0].argmax(-1).tolist())) > 1  # the rows' logits differ: a real model
+        for ours, theirs in zip(*outputs):
+            assert torch.equal(ours, theirs)
     finally:
         engine.stop()

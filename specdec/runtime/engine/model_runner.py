@@ -614,53 +614,70 @@ class _LayerStacks:
         return stack
 
 
+def _products(module, shared: str, names: tuple[str, ...]) -> list:
+    """The weights of a product of layers that read the same input: the one they share
+    (specdec.runtime.quantize._Shared), or each its own where their blocks differ in type."""
+    fused = getattr(module, shared, None)
+    return [fused.linear] if fused is not None else [getattr(module, name, None) for name in names]
+
+
 def _layer_stack(model, start: int = 0, end: int | None = None, local: list[int] = ()):
     """specdec/runtime/kernels/layer_cpu.cpp's `LlamaStack` over the decoder layers [start, end)
-    of a Llama-family model (`_llama_like`) on GGUF blocks (q, k and v as one product, with
-    or without biases; gate and up as one; the norms in their kernel, two a layer or
-    Gemma's four; our silu or gelu_tanh; Gemma 2's capped scores), local: a flag a layer
-    (_LayerStacks), or None where a layer is otherwise: _llama_forward runs it."""
+    of a Llama-family model (`_llama_like`) on GGUF blocks (q, k and v as one product or,
+    in blocks of different types, three, with or without biases; gate and up as one or
+    two; the norms in their kernel, two a layer or Gemma's four; our silu or gelu_tanh;
+    Gemma 2's capped scores), local: a flag a layer (_LayerStacks), or None where a layer
+    is otherwise: _llama_forward runs it."""
     from specdec.runtime import ggml
     from specdec.runtime.kernels import cpu
 
     config, layers = model.config, model.model.layers[start:end]
-    norms, weights, kinds, biases, head_norms = [], [], [], [], []
+    norms, weights, kinds, biases, head_norms, parts = [], [], [], [], [], []
     activations = list(ggml.ACTIVATIONS)  # in the kernel's order: silu, gelu_tanh
     if (activation := ggml.activation_name(config)) not in activations:
         return None
     first = layers[0]
     eps, ours = getattr(first.input_layernorm, "variance_epsilon", None), ggml.ACTIVATIONS[activation][1]
+    head_dim = first.self_attn.head_dim
+    widths = None  # of q, k and v: every layer's the same
 
     def kernel_norm(n) -> bool:
         return isinstance(n, ggml.RMSNorm) and n.weight.dtype == torch.float32 and n.variance_epsilon == eps
 
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, gate_up = getattr(attn, "shared_q_k_v", None), getattr(mlp, "shared_gate_up", None)
-        linears = [qkv and qkv.linear, attn.o_proj, gate_up and gate_up.linear, mlp.down_proj]
+        q_k_v = _products(attn, "shared_q_k_v", ("q_proj", "k_proj", "v_proj"))
+        gate_up = _products(mlp, "shared_gate_up", ("gate_proj", "up_proj"))
+        linears = [*q_k_v, attn.o_proj, *gate_up, mlp.down_proj]
         each = [layer.input_layernorm, layer.post_attention_layernorm]
         if _sandwiched(layer):
             each += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
         per_head = [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
-        if not all(isinstance(m, ggml.GGUFLinear) for m in linears) or any(m.bias is not None for m in linears[1:]) \
-                or not all(kernel_norm(n) for n in each + per_head) or not isinstance(mlp.act_fn, ours) \
-                or attn.scaling != first.self_attn.scaling or qkv.columns != first.self_attn.shared_q_k_v.columns \
+        if not all(isinstance(m, ggml.GGUFLinear) for m in linears) \
+                or any(m.bias is not None for m in linears[len(q_k_v):]) \
+                or len({m.bias is None for m in q_k_v}) > 1 or not all(kernel_norm(n) for n in each + per_head) \
+                or not isinstance(mlp.act_fn, ours) or attn.scaling != first.self_attn.scaling \
                 or _softcap(attn) != _softcap(first.self_attn):
             return None
+        columns = attn.shared_q_k_v.columns if len(q_k_v) == 1 else None
+        its_widths = [b - a for a, b in columns] if columns else [m.out_features for m in q_k_v]
+        if widths not in (None, its_widths):
+            return None
+        widths = its_widths
         norms += [n.weight for n in each]
         weights += [m.packed for m in linears]
         kinds += [m.kind for m in linears]
-        biases += [] if linears[0].bias is None else [linears[0].bias]
+        parts += [len(q_k_v), len(gate_up)]
+        if q_k_v[0].bias is not None:
+            biases.append(torch.cat([m.bias for m in q_k_v]))
         head_norms += [n.weight for n in per_head]
     if len(biases) not in (0, len(layers)) or len(head_norms) not in (0, 2 * len(layers)) \
             or len(norms) not in (2 * len(layers), 4 * len(layers)):
         return None  # layers that differ: the Python pass takes each as it is
-    *_, (v_start, v_end) = first.self_attn.shared_q_k_v.columns
-    head_dim = first.self_attn.head_dim
-    sizes = [config.hidden_size, config.num_attention_heads, (v_end - v_start) // head_dim, head_dim,
+    sizes = [config.hidden_size, config.num_attention_heads, widths[-1] // head_dim, head_dim,
              first.mlp.down_proj.in_features]
     return cpu().LlamaStack(norms, weights, kinds, sizes, eps, first.self_attn.scaling, biases, head_norms,
-                            activations.index(activation), list(local), _softcap(first.self_attn) or 0.0)
+                            activations.index(activation), list(local), _softcap(first.self_attn) or 0.0, parts)
 
 
 def _layer_kernel_forward(stacks: _LayerStacks, model, ids, positions, keep, plan: Plan) -> torch.Tensor:

@@ -751,10 +751,12 @@ torch::Tensor pack(torch::Tensor w, int64_t type) {
 }
 
 // x: M rows of K float32; w: the packed blocks of N rows (pack), `groups` groups of
-// `stride` bytes -> y: M rows of N float32. For callers that hold their own buffers (a
-// whole pass in one call: layer_cpu.cpp); `matmul` checks the shapes for it.
+// `stride` bytes -> y: M rows of N float32, each ldy floats after the one before (a
+// product of several block types writes each type's columns of one row). For callers
+// that hold their own buffers (a whole pass in one call: layer_cpu.cpp); `matmul` checks
+// the shapes for it.
 void matmul_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t groups, int64_t stride,
-                 int64_t type, int64_t N, float* yp) {
+                 int64_t type, int64_t N, float* yp, int64_t ldy) {
   const int64_t nb = K / QK;
   Rounded rounded(M, K);
   const Isa isa = chosen.load();
@@ -775,7 +777,7 @@ void matmul_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64
     for (int64_t g = 2 * begin; g < std::min(2 * end, groups); g += 2) {
 #if defined(SPECDEC_AVX512)
       if (isa == AVX512 && g + 1 < groups) {
-        pair_rows(wp + g * stride, wp + (g + 1) * stride, type, nb, rounded, M, yp + g * ROWS, N,
+        pair_rows(wp + g * stride, wp + (g + 1) * stride, type, nb, rounded, M, yp + g * ROWS, ldy,
                   ROWS + rows_of(g + 1));
         continue;
       }
@@ -783,11 +785,11 @@ void matmul_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64
       for (int64_t h = g; h < std::min(g + 2, groups); ++h) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
         if (isa != PORTABLE) {
-          group_rows(wp + h * stride, type, nb, rounded, M, yp + h * ROWS, N, rows_of(h));
+          group_rows(wp + h * stride, type, nb, rounded, M, yp + h * ROWS, ldy, rows_of(h));
           continue;
         }
 #endif
-        group_rows_portable(wp + h * stride, type, nb, rounded, M, yp + h * ROWS, N, rows_of(h));
+        group_rows_portable(wp + h * stride, type, nb, rounded, M, yp + h * ROWS, ldy, rows_of(h));
       }
     }
   });
@@ -808,7 +810,8 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t type, int64_t N) 
   const int64_t M = x.size(0), K = x.size(1);
   check_packed(w, type, K, N);
   auto y = torch::empty({M, N}, x.options());
-  matmul_rows(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(0), w.size(1), type, N, y.data_ptr<float>());
+  matmul_rows(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(0), w.size(1), type, N, y.data_ptr<float>(),
+              N);
   return y;
 }
 

@@ -28,7 +28,7 @@
 #include <vector>
 
 void matmul_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups, int64_t stride,
-                 int64_t type, int64_t N, float* y);
+                 int64_t type, int64_t N, float* y, int64_t ldy);
 void check_packed(const torch::Tensor& w, int64_t type, int64_t K, int64_t N);
 void attend(const float* q, int64_t T, int64_t H, int64_t d, const float* k_pool, const float* v_pool, int64_t KVH,
             const int64_t* slots, int64_t L, const int64_t* rows, const int64_t* lengths, double scale, double softcap,
@@ -61,7 +61,8 @@ class LlamaStack {
  public:
   LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
              std::vector<int64_t> sizes, double eps, double scale, std::vector<torch::Tensor> biases,
-             std::vector<torch::Tensor> head_norms, int64_t activation, std::vector<int64_t> local, double softcap);
+             std::vector<torch::Tensor> head_norms, int64_t activation, std::vector<int64_t> local, double softcap,
+             std::vector<int64_t> parts);
   std::optional<torch::Tensor> forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                                        std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
                                        torch::Tensor write_slots, torch::Tensor slots, torch::Tensor rows,
@@ -69,17 +70,27 @@ class LlamaStack {
                                        std::vector<torch::Tensor> local) const;
 
  private:
-  std::vector<torch::Tensor> norms_, weights_, biases_, head_norms_;
-  std::vector<int64_t> types_, local_;
+  // One block type's rows of a product: its packed blocks, and the product's columns it
+  // writes from `column` on.
+  struct Part {
+    torch::Tensor w;
+    int64_t type, rows, column;
+  };
+  std::vector<std::vector<Part>> products_;  // 4 a layer: q|k|v, o, gate|up, down
+  std::vector<torch::Tensor> norms_, biases_, head_norms_;
+  std::vector<int64_t> local_;
   double eps_, scale_, softcap_;
   int64_t layers_, hidden_, heads_, kv_heads_, d_, inter_, activation_, norms_per_layer_;
 };
 
 // norms: 2 a layer {input, post-attention} weights (Llama's: the attention's input and the
 // MLP's), or 4 {input, post-attention, pre-MLP, post-MLP} (Gemma's: the attention's input,
-// its output, the MLP's input, its output); weights: 4 a layer, the packed blocks of
-// {q|k|v, o, gate|up, down}, with their types; sizes: {hidden, heads, kv_heads, head_dim,
-// intermediate}; biases: none, or the q|k|v product's bias of each layer; head_norms:
+// its output, the MLP's input, its output); weights: the packed blocks of each layer's
+// {q|k|v, o, gate|up, down}, with their types; parts: none (4 weights a layer), or 2 a
+// layer: how many weights its q|k|v product takes (1, or 3: q, k and v, each in its own
+// block type, as llama.cpp's mixes give v more bits than q and k) and its gate|up product
+// (1, or 2); sizes: {hidden, heads, kv_heads, head_dim, intermediate}; biases: none, or
+// the q|k|v product's bias of each layer; head_norms:
 // none, or 2 a layer {q, k}, each [head_dim], taken by every head; activation: 0 silu, 1
 // gelu_tanh; local: none, or a flag a layer, set where it attends through the pass's local
 // table and rotary embedding (`forward`'s local) instead of its own; softcap: 0, or Gemma
@@ -87,31 +98,50 @@ class LlamaStack {
 LlamaStack::LlamaStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights,
                        std::vector<int64_t> types, std::vector<int64_t> sizes, double eps, double scale,
                        std::vector<torch::Tensor> biases, std::vector<torch::Tensor> head_norms,
-                       int64_t activation, std::vector<int64_t> local, double softcap)
-    : norms_(std::move(norms)), weights_(std::move(weights)), biases_(std::move(biases)),
-      head_norms_(std::move(head_norms)), types_(std::move(types)), local_(std::move(local)), eps_(eps),
-      scale_(scale), softcap_(softcap), activation_(activation) {
+                       int64_t activation, std::vector<int64_t> local, double softcap,
+                       std::vector<int64_t> parts)
+    : norms_(std::move(norms)), biases_(std::move(biases)), head_norms_(std::move(head_norms)),
+      local_(std::move(local)), eps_(eps), scale_(scale), softcap_(softcap), activation_(activation) {
   TORCH_CHECK(sizes.size() == 5, "sizes: hidden, heads, kv_heads, head_dim, intermediate");
   hidden_ = sizes[0], heads_ = sizes[1], kv_heads_ = sizes[2], d_ = sizes[3], inter_ = sizes[4];
-  layers_ = static_cast<int64_t>(weights_.size()) / 4;
+  TORCH_CHECK(types.size() == weights.size(), "a type for each weight");
+  if (parts.empty()) parts.assign(weights.size() / 4 * 2, 1);
+  layers_ = static_cast<int64_t>(parts.size()) / 2;
   norms_per_layer_ = static_cast<int64_t>(norms_.size()) / std::max<int64_t>(layers_, 1);
-  TORCH_CHECK(layers_ > 0 && weights_.size() == 4 * layers_ && types_.size() == weights_.size() &&
-                  (norms_per_layer_ == 2 || norms_per_layer_ == 4) && norms_.size() == norms_per_layer_ * layers_,
-              "a layer takes 2 or 4 norms, 4 weights and their types");
+  TORCH_CHECK(layers_ > 0 && parts.size() == 2 * layers_ && (norms_per_layer_ == 2 || norms_per_layer_ == 4) &&
+                  norms_.size() == norms_per_layer_ * layers_,
+              "a layer takes 2 or 4 norms and the parts of its 4 products");
   TORCH_CHECK(activation_ == 0 || activation_ == 1, "activation: 0 silu, 1 gelu_tanh");
   TORCH_CHECK(softcap_ >= 0.0, "softcap must be 0 (none) or positive");
   TORCH_CHECK(local_.empty() || static_cast<int64_t>(local_.size()) == layers_, "no local flags, or one a layer");
   TORCH_CHECK(heads_ % kv_heads_ == 0 && d_ % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
   const int64_t qkv = (heads_ + 2 * kv_heads_) * d_;
   const int64_t in[4] = {hidden_, heads_ * d_, hidden_, inter_}, out[4] = {qkv, hidden_, 2 * inter_, hidden_};
+  // Each part's rows: the whole product's, or q's, k's and v's; gate's and up's.
+  const std::vector<int64_t> q_k_v = {heads_ * d_, kv_heads_ * d_, kv_heads_ * d_}, gate_up = {inter_, inter_};
+  size_t next = 0;
   for (int64_t l = 0; l < layers_; ++l) {
+    TORCH_CHECK((parts[2 * l] == 1 || parts[2 * l] == 3) && (parts[2 * l + 1] == 1 || parts[2 * l + 1] == 2),
+                "q|k|v takes 1 or 3 weights, gate|up 1 or 2");
+    const int64_t counts[4] = {parts[2 * l], 1, parts[2 * l + 1], 1};
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(next + counts[i] <= weights.size(), "fewer weights than the parts name");
+      std::vector<Part> product;
+      for (int64_t j = 0, column = 0; j < counts[i]; ++j) {
+        const int64_t rows = counts[i] == 1 ? out[i] : (i == 0 ? q_k_v : gate_up)[j];
+        check_packed(weights[next], types[next], in[i], rows);
+        product.push_back({weights[next], types[next], rows, column});
+        column += rows, ++next;
+      }
+      products_.push_back(std::move(product));
+    }
     for (int64_t i = 0; i < norms_per_layer_; ++i) {
       torch::Tensor& n = norms_[norms_per_layer_ * l + i];
       TORCH_CHECK(n.scalar_type() == torch::kFloat32 && n.numel() == hidden_, "a norm's weight is [hidden] float32");
       n = n.contiguous();
     }
-    for (int i = 0; i < 4; ++i) check_packed(weights_[4 * l + i], types_[4 * l + i], in[i], out[i]);
   }
+  TORCH_CHECK(next == weights.size(), "more weights than the parts name");
   TORCH_CHECK(biases_.empty() || static_cast<int64_t>(biases_.size()) == layers_, "no biases, or one a layer");
   for (torch::Tensor& b : biases_) {
     TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == qkv, "a bias is [q|k|v columns] float32");
@@ -183,9 +213,10 @@ std::optional<torch::Tensor> LlamaStack::forward(torch::Tensor h, torch::Tensor 
   float *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
   const uint8_t* stopped = stop.data_ptr<uint8_t>();
   const bool sandwich = norms_per_layer_ == 4;
+  // Each part writes its own columns of the product's N.
   auto product = [&](int64_t l, int i, const float* in, int64_t M, int64_t K, int64_t N, float* out) {
-    const torch::Tensor& w = weights_[4 * l + i];
-    matmul_rows(in, M, K, w.data_ptr<uint8_t>(), w.size(0), w.size(1), types_[4 * l + i], N, out);
+    for (const Part& p : products_[4 * l + i])
+      matmul_rows(in, M, K, p.w.data_ptr<uint8_t>(), p.w.size(0), p.w.size(1), p.type, p.rows, out + p.column, N);
   };
   auto norm = [&](int64_t l, int i, const float* in, float* out) {
     rms_norm_rows(in, norms_[norms_per_layer_ * l + i].data_ptr<float>(), hidden_, T, eps_, out);
@@ -203,7 +234,8 @@ std::optional<torch::Tensor> LlamaStack::forward(torch::Tensor h, torch::Tensor 
     const Attending& a = !local_.empty() && local_[l] ? windowed : own;
     const float *cp = a.cos.data_ptr<float>(), *sp = a.sin.data_ptr<float>();
 
-    // Attention: q, k and v in one product; q and k turned; k and v into the pool.
+    // Attention: q, k and v in one product (of one or three block types); q and k turned;
+    // k and v into the pool.
     norm(l, 0, hp, xp);
     product(l, 0, xp, T, hidden_, qkv_cols, qkvp);
     if (!biases_.empty()) {
@@ -230,7 +262,7 @@ std::optional<torch::Tensor> LlamaStack::forward(torch::Tensor h, torch::Tensor 
     product(l, 1, op, T, q_cols, hidden_, yp);
     add_output(l, 1);
 
-    // The MLP: gate and up in one product.
+    // The MLP: gate and up in one product (of one or two block types).
     norm(l, sandwich ? 2 : 1, hp, xp);
     product(l, 2, xp, T, hidden_, 2 * inter_, gup);
     activate_rows(activation_, gup, T, inter_, 2 * inter_, actp);  // the gate's half of each row
@@ -249,11 +281,13 @@ void define_llama_stack(pybind11::module_& m) {
   pybind11::class_<LlamaStack>(m, "LlamaStack", "a Llama-family model's decoder layers on GGUF blocks (layer_cpu.cpp)")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                           std::vector<int64_t>, double, double, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, int64_t, std::vector<int64_t>, double>(),
+                          std::vector<torch::Tensor>, int64_t, std::vector<int64_t>, double,
+                          std::vector<int64_t>>(),
            pybind11::arg("norms"), pybind11::arg("weights"), pybind11::arg("types"), pybind11::arg("sizes"),
            pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("biases") = std::vector<torch::Tensor>(),
            pybind11::arg("head_norms") = std::vector<torch::Tensor>(), pybind11::arg("activation") = 0,
-           pybind11::arg("local") = std::vector<int64_t>(), pybind11::arg("softcap") = 0.0)
+           pybind11::arg("local") = std::vector<int64_t>(), pybind11::arg("softcap") = 0.0,
+           pybind11::arg("parts") = std::vector<int64_t>())
       .def("forward", &LlamaStack::forward, "a pass through every layer; None where stop was set",
            pybind11::arg("h"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_pools"),
            pybind11::arg("v_pools"), pybind11::arg("write_slots"), pybind11::arg("slots"), pybind11::arg("rows"),
